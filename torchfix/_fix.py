@@ -1,0 +1,87 @@
+"""A fix: one thread hazard of torch, the patches that remove it, and the rules for when to apply them."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from ._patch import SourcePatch
+
+
+class State(str, enum.Enum):
+    APPLIED = "applied"
+    NOT_NEEDED = "not needed"  # the hazard is absent from this torch (fixed upstream, or not yet there)
+    UNSUPPORTED = "unsupported"  # the hazard is there but this torch's version or source is not one we know
+    DISABLED = "disabled"  # TORCHFIX_DISABLE
+    PENDING = "pending import"  # torch is not imported yet; applied when it is
+    NOT_INSTALLED = "not installed"  # before install() or after uninstall()
+
+
+@dataclass(frozen=True)
+class FixStatus:
+    name: str
+    state: State
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.state.value} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A declarative fix.
+
+    ``probe`` looks at the imported torch and returns why the fix is not needed, or None when the
+    hazard is there. It decides before the version does, so an upstream fix in any release (a
+    nightly, a backport) turns the fix off instead of patching code that changed.
+    """
+
+    name: str
+    hazard: str  # one line: what goes wrong without the fix
+    versions: SpecifierSet  # the torch releases whose source the patches were written against
+    probe: Callable[[], str | None]
+    patches: Callable[[], list[SourcePatch]]  # fresh patch objects (they hold their undo state)
+
+    def supports(self, torch_version: str) -> bool:
+        try:
+            return self.versions.contains(Version(torch_version), prereleases=True)
+        except InvalidVersion:
+            return False
+
+    def apply(self, torch_version: str) -> tuple[FixStatus, list[SourcePatch]]:
+        """Apply every patch or none. Returns the status and the applied patches (for revert)."""
+        try:
+            not_needed = self.probe()
+        except Exception as exc:  # a probe that cannot even look means an unknown torch
+            return self._status(State.UNSUPPORTED, f"cannot inspect torch: {exc!r}"), []
+        if not_needed:
+            return self._status(State.NOT_NEEDED, not_needed), []
+        if not self.supports(torch_version):
+            return self._status(
+                State.UNSUPPORTED,
+                f"the hazard is present but torch {torch_version} is outside the releases this fix "
+                f"was written for ({self.versions}); nothing was patched",
+            ), []
+        applied: list[SourcePatch] = []
+        try:
+            for patch in self.patches():
+                patch.apply()
+                applied.append(patch)
+            for patch in applied:
+                patch.verify()
+        except Exception as exc:
+            revert_all(applied)
+            return self._status(State.UNSUPPORTED, f"{exc} (nothing was patched)"), []
+        return self._status(State.APPLIED, f"patched {', '.join(p.module_name for p in applied)}"), applied
+
+    def _status(self, state: State, reason: str) -> FixStatus:
+        return FixStatus(self.name, state, reason)
+
+
+def revert_all(patches: list[SourcePatch]) -> None:
+    for patch in reversed(patches):
+        patch.revert()

@@ -1,0 +1,135 @@
+"""install / uninstall / status: the lifecycle of all fixes in this process.
+
+If torch is imported already, fixes apply at once. If not, a post-import hook (wrapt) applies them the
+moment ``import torch`` finishes, so the import order never matters: either way the same patches run
+on a fully imported torch, and the ``__code__`` swap reaches references taken before.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+
+import wrapt
+
+from . import fixes
+from ._fix import Fix, FixStatus, State, revert_all
+from ._patch import SourcePatch
+
+
+class TorchfixWarning(UserWarning):
+    """A fix could not be applied (torch was left untouched for it), or a setting was not understood."""
+
+
+class TorchfixError(RuntimeError):
+    """Raised instead of :class:`TorchfixWarning` when ``TORCHFIX_STRICT=1``."""
+
+
+_lock = threading.RLock()
+_statuses: dict[str, FixStatus] = {}
+_applied: list[tuple[Fix, list[SourcePatch]]] = []
+# Each install that waits for torch gets a new generation; uninstall moves on, so a hook registered
+# earlier and fired later finds itself stale and does nothing (wrapt has no way to unregister a hook).
+_generation = 0
+_pending_generation: int | None = None
+
+
+def _strict() -> bool:
+    return os.environ.get("TORCHFIX_STRICT", "").strip().lower() in {"1", "true", "yes"}
+
+
+def _complain(message: str) -> None:
+    if _strict():
+        raise TorchfixError(message)
+    warnings.warn(message, TorchfixWarning, stacklevel=4)
+
+
+def disabled_fixes() -> set[str]:
+    """Names of the fixes TORCHFIX_DISABLE turns off: ``1`` (or ``all``) for all, else ``name,name``."""
+    value = os.environ.get("TORCHFIX_DISABLE", "").strip()
+    known = {fix.name for fix in fixes.ALL}
+    if value.lower() in {"", "0", "false", "no"}:
+        return set()
+    if value.lower() in {"1", "true", "yes", "all"}:
+        return known
+    names = {name.strip() for name in value.split(",") if name.strip()}
+    if names - known:
+        _complain(
+            f"TORCHFIX_DISABLE names unknown fixes {sorted(names - known)}; known: {sorted(known)}. "
+            "Those names are ignored."
+        )
+    return names & known
+
+
+def _set(status: FixStatus) -> None:
+    _statuses[status.name] = status
+
+
+def install() -> list[FixStatus]:
+    """Apply every fix this torch needs (now, or when torch is imported). Idempotent."""
+    global _generation, _pending_generation
+    with _lock:
+        if _applied or _pending_generation is not None:
+            return status()
+        off = disabled_fixes()
+        for fix in fixes.ALL:
+            if fix.name in off:
+                _set(FixStatus(fix.name, State.DISABLED, "TORCHFIX_DISABLE"))
+        active = [fix for fix in fixes.ALL if fix.name not in off]
+        if not active:
+            return status()
+        if "torch" in sys.modules:
+            _apply(active)
+        else:
+            for fix in active:
+                _set(FixStatus(fix.name, State.PENDING, "applied when torch is imported"))
+            _generation += 1
+            _pending_generation = generation = _generation
+            wrapt.register_post_import_hook(lambda _torch: _on_torch_import(generation, active), "torch")
+        return status()
+
+
+def _on_torch_import(generation: int, active: list[Fix]) -> None:
+    global _pending_generation
+    with _lock:
+        if generation != _pending_generation:
+            return  # uninstalled (and maybe reinstalled) before torch was imported
+        _pending_generation = None
+        _apply(active)
+
+
+def _apply(active: list[Fix]) -> None:
+    import torch
+
+    version = str(torch.__version__)
+    for fix in active:
+        fix_status, patches = fix.apply(version)
+        _set(fix_status)
+        if patches:
+            _applied.append((fix, patches))
+        elif fix_status.state is State.UNSUPPORTED:
+            _complain(f"torchfix: {fix_status.name} not applied: {fix_status.reason}. Hazard: {fix.hazard}.")
+
+
+def uninstall() -> list[FixStatus]:
+    """Restore torch's original code and state, and cancel fixes still waiting for ``import torch``."""
+    global _pending_generation
+    with _lock:
+        _pending_generation = None
+        while _applied:
+            _fix, patches = _applied.pop()
+            revert_all(patches)
+        for fix in fixes.ALL:
+            _set(FixStatus(fix.name, State.NOT_INSTALLED, "uninstall() was called"))
+        return status()
+
+
+def status() -> list[FixStatus]:
+    """One entry per known fix, in application order."""
+    with _lock:
+        return [
+            _statuses.get(fix.name, FixStatus(fix.name, State.NOT_INSTALLED, "install() was not called"))
+            for fix in fixes.ALL
+        ]

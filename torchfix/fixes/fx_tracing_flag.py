@@ -1,0 +1,158 @@
+"""fx-tracing-flag: ``torch.fx._symbolic_trace._is_fx_tracing_flag`` becomes per-thread (hazards H1, H2).
+
+torch 2.0 - 2.13 keep the flag in a module global. ``Tracer.trace`` (symbolic_trace, make_fx and so
+every AOTAutograd compile) sets it for the whole trace, and the wrapper of every ``torch.compile``d
+function checks it on each call, so one thread's trace makes other threads' compiled calls raise
+"Detected that you are using FX to symbolically trace a dynamo-optimized function" (or run eagerly).
+``_set_compilation_env`` saves/sets/restores it by module attribute, and interleaved with a trace in
+another thread that leaves it stuck True for the life of the process.
+
+This backports torch 2.14's own fix (pytorch/pytorch#168999): the flag lives in a ``threading.local``
+named ``_is_fx_tracing_tls`` with the accessors ``_get_is_fx_tracing`` / ``_set_is_fx_tracing`` /
+``_is_fx_tracing_context``, and non-reentrant checkpoint recompute, which can run on autograd's device
+thread, re-applies the value the flag had when the forward ran.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import sys
+import threading
+import types
+from collections.abc import Iterator
+
+from packaging.specifiers import SpecifierSet
+
+from .._fix import Fix
+from .._patch import SourcePatch, ThreadLocalGlobals, nested_function
+from .._source import Edit, ShapeError, insert_at
+
+MODULE = "torch.fx._symbolic_trace"
+FLAG = "_is_fx_tracing_flag"
+HOLDER = "_is_fx_tracing_tls"
+CAPTURED = "_torchfix_is_fx_tracing"  # parameter default of the recompute closure: evaluated at forward time
+
+
+def _accessors(module: types.ModuleType) -> dict[str, object]:
+    """torch 2.14's accessor functions, bound to ``module``'s holder."""
+    holder = vars(module)[HOLDER]
+
+    def _set_is_fx_tracing(value: bool) -> None:
+        holder.flag = value
+
+    def _get_is_fx_tracing() -> bool:
+        return holder.flag
+
+    @contextlib.contextmanager
+    def _is_fx_tracing_context(value: bool) -> Iterator[None]:
+        previous = holder.flag
+        holder.flag = value
+        try:
+            yield
+        finally:
+            holder.flag = previous
+
+    return {f.__name__: f for f in (_set_is_fx_tracing, _get_is_fx_tracing, _is_fx_tracing_context)}
+
+
+class _FlagPatch(ThreadLocalGlobals):
+    def __init__(self) -> None:
+        super().__init__(MODULE, "torch/fx/_symbolic_trace.py", HOLDER, {FLAG: "flag"})
+        self._added: list[str] = []
+
+    def _install_state(self, module: types.ModuleType) -> None:
+        super()._install_state(module)
+        namespace = vars(module)
+        self._added = [name for name in _accessors(module) if name not in namespace]
+        namespace.update({name: f for name, f in _accessors(module).items() if name in self._added})
+
+    def _remove_state(self, module: types.ModuleType) -> None:
+        for name in self._added:
+            vars(module).pop(name, None)
+        super()._remove_state(module)
+
+    def verify(self) -> None:
+        super().verify()
+        # Behaviour, not just bytecode: a value set in another thread must stay there.
+        module = self._module
+        seen_elsewhere: list[bool] = []
+
+        def other_thread() -> None:
+            module._is_fx_tracing_flag = True
+            seen_elsewhere.append(vars(module)[HOLDER].flag)
+
+        thread = threading.Thread(target=other_thread, name="torchfix-verify")
+        thread.start()
+        thread.join()
+        if seen_elsewhere != [True] or vars(module)[HOLDER].flag:
+            raise ShapeError(f"{MODULE}: the flag did not behave per-thread after patching")
+
+
+class _CheckpointRecompute(SourcePatch):
+    """Non-reentrant checkpoint recompute runs with the FX flag of its forward.
+
+    The recompute closure is defined while the forward runs, so a parameter default evaluated at
+    ``def`` time captures the forward thread's flag; the recomputing call is wrapped in
+    ``_is_fx_tracing_context(captured)``. Both edits stay on their lines, so line numbers do not move.
+    """
+
+    # (outer function, recompute closure inside it, name of the user function it calls): torch 2.1+,
+    # then torch 2.0, where recompute happens in the saved-tensor `unpack` hook.
+    SHAPES = (
+        ("_checkpoint_without_reentrant_generator", "recompute_fn", "fn"),
+        ("_checkpoint_without_reentrant", "unpack", "function"),
+    )
+
+    def __init__(self) -> None:
+        super().__init__("torch.utils.checkpoint", "torch/utils/checkpoint.py")
+
+    def edits(self, source: str) -> list[Edit]:
+        tree = ast.parse(source)
+        top_level = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        for outer, closure_name, user_fn in self.SHAPES:
+            if outer in top_level:
+                closure = nested_function(tree, [outer, closure_name])
+                return [self._capture(closure), self._reapply(closure, user_fn)]
+        raise ShapeError(f"{self.relpath}: no non-reentrant checkpoint recompute function found")
+
+    @staticmethod
+    def _capture(closure: ast.FunctionDef) -> Edit:
+        args = closure.args
+        last = args.vararg or (args.args or args.posonlyargs or [None])[-1]
+        if last is None or last.lineno != closure.lineno:
+            raise ShapeError(f"line {closure.lineno}: unexpected signature of {closure.name}")
+        return insert_at(last.end_lineno, last.end_col_offset, f", {CAPTURED}={MODULE}.{HOLDER}.flag")
+
+    @staticmethod
+    def _reapply(closure: ast.FunctionDef, user_fn: str) -> Edit:
+        calls = [
+            stmt
+            for stmt in ast.walk(closure)
+            if isinstance(stmt, (ast.Expr, ast.Assign))
+            and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Name)
+            and stmt.value.func.id == user_fn
+        ]
+        if len(calls) != 1 or calls[0].lineno != calls[0].end_lineno:
+            raise ShapeError(f"{closure.name}: expected one one-line call of {user_fn}(...), found {len(calls)}")
+        call = calls[0]
+        return insert_at(call.lineno, call.col_offset, f"with {MODULE}._is_fx_tracing_context({CAPTURED}): ")
+
+
+def _probe() -> str | None:
+    module = sys.modules.get(MODULE) or __import__(MODULE, fromlist=["_"])
+    if isinstance(vars(module).get(FLAG), bool):
+        return None
+    if HOLDER in vars(module):
+        return "torch keeps the FX tracing flag per thread already (upstream fix, torch 2.14+)"
+    return f"{MODULE} has no global {FLAG}"
+
+
+FIX = Fix(
+    name="fx-tracing-flag",
+    hazard="one thread's FX trace (symbolic_trace, make_fx, AOTAutograd) breaks compiled calls in other threads",
+    versions=SpecifierSet(">=2.0,<2.14", prereleases=True),
+    probe=_probe,
+    patches=lambda: [_FlagPatch(), _CheckpointRecompute()],
+)
