@@ -10,6 +10,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ._patch import SourcePatch
+from ._source import apply_edits, unified_diff
 
 
 class State(str, enum.Enum):
@@ -77,6 +78,19 @@ class Fix:
             revert_all(applied)
             return self._status(State.UNSUPPORTED, f"{exc} (nothing was patched)"), []
         return self._status(State.APPLIED, f"patched {', '.join(p.module_name for p in applied)}"), applied
+
+    def diff(self, read_source: Callable[[str], str]) -> str:
+        """The fix's edits as a unified diff; ``read_source`` maps a path like "torch/fx/x.py" to text.
+
+        Raises ShapeError where the source is not the shape the fix expects.
+        """
+        parts = [f"# torchfix fix {self.name}: {self.hazard}\n"]
+        for patch in self.patches():
+            parts.append(f"# {patch.describe()}\n")
+        for patch in self.patches():
+            source = read_source(patch.relpath)
+            parts.append(unified_diff(patch.relpath, source, apply_edits(source, patch.edits(source))))
+        return "".join(parts)
 
     def _status(self, state: State, reason: str) -> FixStatus:
         return FixStatus(self.name, state, reason)

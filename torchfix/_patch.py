@@ -45,6 +45,10 @@ class SourcePatch:
     def edits(self, source: str) -> list[Edit]:
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """One line for the diff header: what the patch does beyond the text edits."""
+        return f"{self.relpath}: the edited functions' code is swapped in place (__code__)"
+
     def apply(self) -> None:
         module = importlib.import_module(self.module_name)
         source = read_source(module)
@@ -146,6 +150,13 @@ class ThreadLocalGlobals(SourcePatch):
             edits += [self._drop_declaration(source, decl, name) for decl in declarations]
         return edits
 
+    def describe(self) -> str:
+        moved = ", ".join(f"{name} -> {self.holder}.{attr}" for name, attr in self.attrs.items())
+        return (
+            f"{self.relpath}: module globals moved to a threading.local ({moved}); "
+            f"`{self.module_name}.<name>` from other modules goes through a property of the same name"
+        )
+
     def _drop_declaration(self, source: str, decl: ast.Global, name: str) -> Edit:
         others = [n for n in decl.names if n != name]
         if others:
@@ -164,7 +175,7 @@ class ThreadLocalGlobals(SourcePatch):
         namespace[self.holder] = _thread_local_class(self.holder, defaults)()
         self._saved_class = type(module)
         module.__class__ = type(
-            f"{type(module).__name__}WithThreadLocals",
+            "ModuleWithThreadLocals",
             (type(module),),
             {name: _holder_property(self.holder, attr) for name, attr in self.attrs.items()},
         )

@@ -95,9 +95,14 @@ class _HeldTrace:
             raise self.errors[0]
 
 
-def h1_nested_trace_error(tracer: str = "symbolic_trace", timeout: float = 60.0) -> Result:
-    """H1: while thread A traces, a compiled call in thread B raises (or runs eagerly)."""
-    compiled = _compiled_add_one()
+def h1_nested_trace_error(
+    tracer: str = "symbolic_trace", timeout: float = 60.0, compiled: Callable | None = None
+) -> Result:
+    """H1: while thread A traces, a compiled call in thread B raises (or runs eagerly).
+
+    ``compiled`` may be a function the caller compiled earlier (before ``import torchfix``, say).
+    """
+    compiled = compiled or _compiled_add_one()
     with _HeldTrace(tracer, timeout):
         error = _call(compiled)
     return Result(f"H1 ({tracer} in one thread, compiled call in another)", error is not None, error or "ok")

@@ -56,10 +56,16 @@ def _accessors(module: types.ModuleType) -> dict[str, object]:
     return {f.__name__: f for f in (_set_is_fx_tracing, _get_is_fx_tracing, _is_fx_tracing_context)}
 
 
+_ACCESSORS = ("_get_is_fx_tracing", "_set_is_fx_tracing", "_is_fx_tracing_context")
+
+
 class _FlagPatch(ThreadLocalGlobals):
     def __init__(self) -> None:
         super().__init__(MODULE, "torch/fx/_symbolic_trace.py", HOLDER, {FLAG: "flag"})
         self._added: list[str] = []
+
+    def describe(self) -> str:
+        return super().describe() + f"; adds torch 2.14's accessors {', '.join(_ACCESSORS)} where missing"
 
     def _install_state(self, module: types.ModuleType) -> None:
         super()._install_state(module)

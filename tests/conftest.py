@@ -1,0 +1,66 @@
+"""Shared test helpers. Everything that touches torch's global state runs in a fresh interpreter:
+a stuck flag, a deadlock or a half-patched torch must not leak into other tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+from packaging.version import Version
+
+TORCH_VERSION = Version(
+    subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+)
+# The FX tracing flag is a process global before torch 2.14 (H1); _set_compilation_env exists from 2.2 (H2).
+HAS_H1 = TORCH_VERSION.release < (2, 14)
+HAS_H2 = (2, 2) <= TORCH_VERSION.release < (2, 14)
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> object:
+        """The last stdout line, parsed: scripts report their findings that way."""
+        lines = self.stdout.strip().splitlines()
+        assert lines, f"no output; stderr:\n{self.stderr}"
+        return json.loads(lines[-1])
+
+
+def run_python(
+    code: str, *, disable: str | None = None, env: dict[str, str] | None = None, timeout: float = 180, args=()
+) -> Ran:
+    """Run ``code`` in a new interpreter. ``disable`` sets TORCHFIX_DISABLE (``"1"`` for all)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    if disable is not None:
+        full_env["TORCHFIX_DISABLE"] = disable
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
+    return Ran(proc.returncode, proc.stdout, proc.stderr)
+
+
+def run_ok(code: str, **kwargs) -> Ran:
+    ran = run_python(code, **kwargs)
+    assert ran.returncode == 0, f"exit {ran.returncode}\nstdout:\n{ran.stdout}\nstderr:\n{ran.stderr}"
+    return ran
+
+
+@pytest.fixture(params=[False, True], ids=["torchfix", "disabled"])
+def disabled(request) -> bool:
+    """Run a hazard test twice: with torchfix, and with TORCHFIX_DISABLE=1 where the hazard must show."""
+    return request.param

@@ -1,0 +1,76 @@
+"""python -m torchfix: the doctor, the diffs (and patches/ drift), run, pth."""
+
+from pathlib import Path
+
+import pytest
+from conftest import HAS_H1, TORCH_VERSION, run_ok, run_python
+
+PATCHES = Path(__file__).resolve().parent.parent / "patches" / TORCH_VERSION.base_version
+
+
+def torchfix_cli(*args: str, **kwargs):
+    return run_python("import sys, torchfix.__main__ as m; sys.exit(m.main(sys.argv[1:]))", args=args, **kwargs)
+
+
+def test_doctor_reports_every_fix_and_passes_the_self_test():
+    ran = torchfix_cli()
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "fx-tracing-flag" in ran.stdout and ran.stdout.rstrip().endswith("OK")
+    assert "FAIL" not in ran.stdout
+
+
+@pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ has no FX-flag hazard to show")
+def test_doctor_without_torchfix_shows_the_hazards():
+    ran = torchfix_cli(disable="1")
+    assert ran.returncode == 1
+    assert ran.stdout.count("FAIL") >= 2 and "disabled" in ran.stdout
+
+
+def test_diff_prints_the_patches_of_the_installed_torch():
+    ran = torchfix_cli("diff")
+    assert ran.returncode == 0, ran.stderr
+    if HAS_H1:
+        assert "+++ b/torch/fx/_symbolic_trace.py" in ran.stdout
+    else:
+        assert "fx-tracing-flag: not needed" in ran.stdout
+
+
+def test_patches_dir_has_not_drifted():
+    if not PATCHES.is_dir():
+        pytest.skip(f"patches/ has no directory for torch {TORCH_VERSION.base_version}")
+    ran = run_ok("""
+import json, torch, torchfix
+from torchfix import fixes
+from torchfix.__main__ import _installed_reader
+applied = {s.name for s in torchfix.status() if s.state.value == "applied"}
+print(json.dumps({fix.name: fix.diff(_installed_reader) for fix in fixes.ALL if fix.name in applied}))
+""").json()
+    committed = {p.stem: p.read_text() for p in PATCHES.glob("*.diff")}
+    assert ran == committed, "patches/ drifted from what torchfix applies: regenerate it (see README)"
+
+
+def test_run_executes_a_script_with_torchfix_loaded(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import sys, torch\nprint(sys.argv[1:], [s.state.value for s in sys.modules['torchfix'].status()])\n"
+    )
+    ran = torchfix_cli("run", str(script), "--lr", "3")
+    assert ran.returncode == 0, ran.stderr
+    assert "['--lr', '3']" in ran.stdout and ("applied" in ran.stdout or "not needed" in ran.stdout)
+
+
+def test_pth_loads_torchfix_in_a_new_interpreter(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    torchfix_cli("pth", "install", "--site-dir", str(site))
+    ran = run_ok(f"import site, sys; site.addsitedir({str(site)!r}); print('torchfix' in sys.modules)")
+    assert ran.stdout.strip() == "True"
+    torchfix_cli("pth", "remove", "--site-dir", str(site))
+    assert not any(site.iterdir())
+
+
+def test_bad_command_line_is_one_clear_error():
+    ran = torchfix_cli("diff", "--source-root", "/nonexistent")
+    assert ran.returncode == 2 and "--torch-version" in ran.stderr
+    ran = torchfix_cli("run")
+    assert ran.returncode == 2 and "usage" in ran.stderr

@@ -1,0 +1,111 @@
+"""Import orderings and the install/uninstall lifecycle, each in a fresh interpreter."""
+
+import pytest
+from conftest import HAS_H1, run_ok
+
+needs_h1 = pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ keeps the FX flag per thread itself")
+
+# Prints the fix's state and whether H1 shows, as JSON on the last line.
+REPORT = """
+import json
+import torchfix
+from torchfix import _selftest
+print(json.dumps({"state": torchfix.status()[0].state.value,
+                  "hazard": _selftest.h1_nested_trace_error(**H1_KWARGS).hazard}))
+"""
+
+
+def report(prelude: str, h1_kwargs: str = "{}", **kwargs) -> dict:
+    return run_ok(prelude + f"\nH1_KWARGS = {h1_kwargs}\n" + REPORT, **kwargs).json()
+
+
+def expected_state() -> str:
+    return "applied" if HAS_H1 else "not needed"
+
+
+def test_import_torchfix_before_torch():
+    assert report("import torchfix\nimport torch") == {"state": expected_state(), "hazard": False}
+
+
+def test_import_torchfix_after_torch():
+    assert report("import torch\nimport torchfix") == {"state": expected_state(), "hazard": False}
+
+
+def test_import_torchfix_before_a_torch_submodule():
+    # The hook is on the package: `import torch.fx` imports torch first, then fires it.
+    assert report("import torchfix\nimport torch.fx") == {"state": expected_state(), "hazard": False}
+
+
+def test_function_compiled_before_import_torchfix_is_fixed_too():
+    # Dynamo captured its predicate when this function was wrapped (torch 2.3+); the code swap reaches it.
+    prelude = """
+import torch
+early = torch.compile(lambda x: x * 2, backend="eager")
+early(torch.ones(2))
+import torchfix
+"""
+    assert report(prelude, h1_kwargs="{'compiled': early}") == {"state": expected_state(), "hazard": False}
+
+
+@needs_h1
+def test_uninstall_restores_torch_and_brings_the_hazard_back():
+    ran = run_ok("""
+import json, types
+import torch
+import torch.fx._symbolic_trace as st
+import torch.utils.checkpoint as cp
+import inspect
+recompute = getattr(cp, "_checkpoint_without_reentrant_generator", None) or cp._checkpoint_without_reentrant
+functions = [st.Tracer.trace, st.is_fx_tracing, inspect.unwrap(recompute)]
+def codes():
+    return {f.__qualname__: f.__code__ for f in functions}
+before = codes()
+import torchfix
+from torchfix import _selftest
+patched = {name for name, code in codes().items() if code is not before[name]}
+torchfix.uninstall()
+restored = all(code is before[name] for name, code in codes().items())
+print(json.dumps({
+    "patched": sorted(patched),
+    "restored": restored,
+    "plain_module": type(st) is types.ModuleType and "_is_fx_tracing_flag" in vars(st)
+        and "_is_fx_tracing_tls" not in vars(st),
+    "state": torchfix.status()[0].state.value,
+    "hazard_after_uninstall": _selftest.h1_nested_trace_error().hazard,
+    "reinstall": torchfix.install()[0].state.value,
+    "hazard_after_reinstall": _selftest.h1_nested_trace_error().hazard,
+}))
+""").json()
+    assert len(ran["patched"]) == 3, ran["patched"]
+    assert ran["restored"] and ran["plain_module"]
+    assert ran["state"] == "not installed"
+    assert ran["hazard_after_uninstall"] is True
+    assert ran["reinstall"] == "applied" and ran["hazard_after_reinstall"] is False
+
+
+def test_double_install_changes_nothing():
+    ran = run_ok("""
+import json
+import torch, torchfix
+import torch.fx._symbolic_trace as st
+code, cls = st.Tracer.trace.__code__, type(st)
+again = torchfix.install()
+print(json.dumps({"same": st.Tracer.trace.__code__ is code and type(st) is cls,
+                  "state": again[0].state.value}))
+""").json()
+    assert ran == {"same": True, "state": expected_state()}
+
+
+@needs_h1
+def test_uninstall_before_torch_is_imported_cancels_the_hook():
+    ran = run_ok("""
+import json
+import torchfix
+pending = torchfix.status()[0].state.value
+torchfix.uninstall()
+import torch
+import torch.fx._symbolic_trace as st
+print(json.dumps({"pending": pending, "state": torchfix.status()[0].state.value,
+                  "untouched": "_is_fx_tracing_flag" in vars(st)}))
+""").json()
+    assert ran == {"pending": "pending import", "state": "not installed", "untouched": True}

@@ -1,0 +1,79 @@
+"""What must stay true after patching: Dynamo still folds the predicates, checkpoint recompute sees
+the forward's flag (torch 2.14's behaviour), verify() catches a global access left behind."""
+
+import pytest
+from conftest import HAS_H1, run_ok
+
+
+def test_fullgraph_compile_folds_the_predicates(disabled):
+    ran = run_ok(
+        """
+import json
+import torchfix, torch
+import torch.fx._symbolic_trace as st
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+is_compiling = getattr(torch.compiler, "is_compiling", None)
+symbolic = getattr(st, "is_fx_symbolic_tracing", None)
+
+def f(x):
+    x = x + (1 if is_compiling is None or is_compiling() else 1000)
+    x = x + (10000 if st.is_fx_tracing() else 0)
+    return x + (10000 if symbolic is not None and symbolic() else 0)
+
+counter = CompileCounter()
+y = torch.compile(f, backend=counter, fullgraph=True)(torch.zeros(2))
+print(json.dumps({"y": y.tolist(), "frames": counter.frame_count,
+                  "graph_breaks": sum(counters["graph_break"].values())}))
+""",
+        disable="1" if disabled else None,
+    ).json()
+    assert ran == {"y": [1.0, 1.0], "frames": 1, "graph_breaks": 0}
+
+
+@pytest.mark.parametrize("forward_flag", [True, False])
+def test_checkpoint_recompute_sees_the_forward_flag(forward_flag):
+    # Forward in one thread with the flag set one way, backward (and so recompute) in another thread
+    # with it set the other way: recompute must see the forward's value, as torch 2.14 does.
+    ran = run_ok(f"""
+import json, threading
+import torchfix, torch
+import torch.fx._symbolic_trace as st
+from torch.utils.checkpoint import checkpoint
+seen = []
+def fn(x):
+    seen.append(st._get_is_fx_tracing())
+    return x.sin()
+x = torch.ones(3, requires_grad=True)
+out = {{}}
+def forward():
+    with st._is_fx_tracing_context({forward_flag}):
+        out["y"] = checkpoint(fn, x, use_reentrant=False)
+thread = threading.Thread(target=forward)
+thread.start(); thread.join()
+with st._is_fx_tracing_context({not forward_flag}):
+    out["y"].sum().backward()
+print(json.dumps(seen))
+""").json()
+    assert ran == [forward_flag, forward_flag]
+
+
+@pytest.mark.skipif(not HAS_H1, reason="the fix is not needed on torch 2.14+")
+def test_verify_finds_a_global_access_left_behind():
+    ran = run_ok("""
+import json
+import torch, torchfix
+from torchfix import _install
+import torch.fx._symbolic_trace as st
+flag_patch = _install._applied[0][1][0]
+flag_patch.verify()  # clean after install
+exec("def sneaky():\\n    return _is_fx_tracing_flag\\n", vars(st))  # a function the patch never saw
+st.sneaky.__module__ = st.__name__
+st.sneaky.__code__ = st.sneaky.__code__.replace(co_filename=st.__file__)
+try:
+    flag_patch.verify()
+    print(json.dumps("not caught"))
+except Exception as exc:
+    print(json.dumps(str(exc)))
+""").json()
+    assert "sneaky: LOAD_GLOBAL _is_fx_tracing_flag" in ran

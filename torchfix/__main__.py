@@ -1,0 +1,153 @@
+"""``python -m torchfix``: the doctor report, the diffs, and running a program with torchfix loaded."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import runpy
+import sys
+import sysconfig
+from pathlib import Path
+
+import torchfix
+
+from . import fixes
+from ._fix import State
+from ._source import ShapeError
+
+PTH_NAME = "torchfix-autoload.pth"
+
+
+def doctor(selftest: bool) -> int:
+    import torch
+
+    from . import _selftest
+
+    print(f"torchfix {torchfix.__version__}")
+    print(f"python {platform.python_version()}, torch {torch.__version__} ({os.path.dirname(torch.__file__)})")
+    for variable in ("TORCHFIX_DISABLE", "TORCHFIX_STRICT"):
+        print(f"{variable}={os.environ.get(variable, '')!r}")
+    print("\nfixes:")
+    problems = 0
+    hazards = {fix.name: fix.hazard for fix in fixes.ALL}
+    for entry in torchfix.status():
+        problems += entry.state is State.UNSUPPORTED
+        print(f"  {entry.name:<26} {entry.state.value:<14} {entry.reason}")
+        print(f"  {'':<26} hazard: {hazards[entry.name]}")
+    if selftest:
+        print("\nself-test (the hazards, forced with events in live threads):")
+        for result in _selftest.run_all(timeout=60.0):
+            problems += result.hazard
+            print(f"  {'FAIL' if result.hazard else 'pass'}  {result.scenario}: {result.detail[:160]}")
+    print(f"\n{'OK' if not problems else f'{problems} problem(s)'}")
+    return 1 if problems else 0
+
+
+def _installed_reader(relpath: str) -> str:
+    import torch
+
+    return (Path(torch.__file__).parent.parent / relpath).read_text(encoding="utf-8")
+
+
+def diff(source_root: str | None, torch_version: str | None, output_dir: str | None) -> int:
+    """Print (or write, one file per fix) the diffs of every fix that applies to a torch release.
+
+    Without ``--source-root`` that is the installed torch; with it, a tree holding ``torch/**.py`` of
+    any release (``--torch-version`` says which), which is how ``patches/`` is generated.
+    """
+    if source_root:
+        if not torch_version:
+            print("--source-root needs --torch-version", file=sys.stderr)
+            return 2
+
+        def read(relpath: str) -> str:
+            return (Path(source_root) / relpath).read_text(encoding="utf-8")
+
+        wanted = [fix for fix in fixes.ALL if fix.supports(torch_version)]
+    else:
+        import torch
+
+        torch_version, read = str(torch.__version__), _installed_reader
+        states = {entry.name: entry for entry in torchfix.status()}
+        wanted = []
+        for fix in fixes.ALL:
+            if states[fix.name].state in (State.NOT_NEEDED, State.UNSUPPORTED):
+                print(f"# {fix.name}: {states[fix.name].state.value} ({states[fix.name].reason})")
+            else:
+                wanted.append(fix)
+    failed = 0
+    for fix in wanted:
+        try:
+            text = fix.diff(read)
+        except (ShapeError, OSError) as exc:
+            print(f"# {fix.name}: cannot build the diff for torch {torch_version}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        if output_dir:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(output_dir) / f"{fix.name}.diff").write_text(text, encoding="utf-8")
+        else:
+            sys.stdout.write(text)
+    return 1 if failed else 0
+
+
+def run(target: list[str]) -> int:
+    """Run a script (``run path.py args``) or module (``run -m name args``) with torchfix installed."""
+    if not target:
+        print("usage: python -m torchfix run script.py [args...] | -m module [args...]", file=sys.stderr)
+        return 2
+    if target[0] == "-m":
+        if len(target) < 2:
+            print("run -m needs a module name", file=sys.stderr)
+            return 2
+        sys.argv = target[1:]
+        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = target
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+        runpy.run_path(target[0], run_name="__main__")
+    return 0
+
+
+def pth(action: str, site_dir: str | None) -> int:
+    """Load torchfix in every interpreter of this environment (subprocesses, DataLoader workers)."""
+    path = Path(site_dir or sysconfig.get_paths()["purelib"]) / PTH_NAME
+    if action == "install":
+        # A .pth line that starts with "import" runs at interpreter start-up. Importing torchfix only
+        # registers a hook when torch is not imported, so interpreters that never use torch pay ~ms.
+        path.write_text("import torchfix\n", encoding="utf-8")
+        print(f"wrote {path}")
+    else:
+        path.unlink(missing_ok=True)
+        print(f"removed {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchfix", description=__doc__)
+    commands = parser.add_subparsers(dest="command")
+    doctor_parser = commands.add_parser("doctor", help="versions, each fix's state, live self-test (default)")
+    doctor_parser.add_argument("--no-selftest", action="store_true", help="skip the live races")
+    diff_parser = commands.add_parser("diff", help="unified diffs of the fixes for a torch release")
+    diff_parser.add_argument("--source-root", help="a tree with torch/**.py of some release (default: installed)")
+    diff_parser.add_argument("--torch-version", help="the release of --source-root, e.g. 2.5.1")
+    diff_parser.add_argument("--output-dir", help="write <fix>.diff files here instead of printing")
+    run_parser = commands.add_parser("run", help="run a script or -m module with torchfix loaded")
+    run_parser.add_argument("target", nargs=argparse.REMAINDER)
+    pth_parser = commands.add_parser("pth", help=f"install or remove {PTH_NAME} (torchfix in every interpreter)")
+    pth_parser.add_argument("action", choices=["install", "remove"])
+    pth_parser.add_argument("--site-dir", help="the site-packages to write to (default: this environment's)")
+    args = parser.parse_args(argv)
+
+    if args.command == "diff":
+        return diff(args.source_root, args.torch_version, args.output_dir)
+    if args.command == "run":
+        return run(args.target)
+    if args.command == "pth":
+        return pth(args.action, args.site_dir)
+    return doctor(selftest=not getattr(args, "no_selftest", False))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
