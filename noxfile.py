@@ -1,0 +1,79 @@
+"""The torch version matrix: the torchfix tests on one release per torch minor, 2.0 - 2.15.
+
+    nox -l                      # list sessions
+    nox -s "shim(2.13)"         # one release
+    nox -s shim                 # the whole matrix (downloads ~3 GB per release)
+    nox -s tests                # the full suite (trainer included) on the default torch
+
+Each session asserts that the torch it runs on is the one it asked for.
+"""
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests"]
+
+DEFAULT_TORCH = "2.13.0"
+# One release per minor: (torch, python). torch 2.0's torch.compile does not support Python 3.11.
+RELEASES = [
+    ("2.0.1", "3.10"),
+    ("2.1.2", "3.11"),
+    ("2.2.2", "3.11"),
+    ("2.3.1", "3.11"),
+    ("2.4.1", "3.11"),
+    ("2.5.1", "3.11"),
+    ("2.6.0", "3.11"),
+    ("2.7.1", "3.11"),
+    ("2.8.0", "3.11"),
+    ("2.9.1", "3.11"),
+    ("2.10.0", "3.11"),
+    ("2.11.0", "3.11"),
+    ("2.12.1", "3.11"),
+    ("2.13.0", "3.11"),
+    ("2.14.1", "3.11"),
+    ("2.15.0", "3.11"),
+]
+SHIM_TESTS = sorted(str(p) for p in Path("tests").glob("test_torchfix_*.py"))
+
+
+def install_torch(session: nox.Session, torch: str) -> None:
+    major_minor = tuple(int(part) for part in torch.split(".")[:2])
+    # Releases before 2.3 were built against NumPy 1.x.
+    extra = ["numpy<2"] if major_minor < (2, 3) else []
+    if major_minor > (2, 14):
+        # This workplace's pip config caps torch at the releases kept on local disk; go past it.
+        session.env["PIP_CONFIG_FILE"] = "/dev/null"
+    session.install(f"torch=={torch}", *extra)
+    session.install("-e", ".", "pytest")
+    session.run(
+        "python",
+        "-c",
+        f"import torch, sys; v = torch.__version__.split('+')[0]; "
+        f"sys.exit(0 if v == '{torch}' else f'asked for torch {torch}, got {{torch.__version__}}')",
+    )
+
+
+@nox.session
+@nox.parametrize("python,torch", RELEASES, ids=[torch.rsplit(".", 1)[0] for torch, _ in RELEASES])
+def shim(session: nox.Session, torch: str) -> None:
+    """torchfix's tests on one torch release."""
+    install_torch(session, torch)
+    session.run("python", "-m", "pytest", "-q", *SHIM_TESTS, *session.posargs)
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The whole suite on the default torch."""
+    session.install(f"torch=={DEFAULT_TORCH}")
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """The benchmarks (see BENCHMARKS.md)."""
+    session.install(f"torch=={DEFAULT_TORCH}")
+    session.install("-e", ".[train]")
+    session.run("python", "-m", "bench", *session.posargs)
