@@ -14,26 +14,27 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests"]
+nox.options.error_on_missing_interpreters = True
 
 DEFAULT_TORCH = "2.13.0"
-# One release per minor: (torch, python). torch 2.0's torch.compile does not support Python 3.11.
+# One release per minor: (python, torch). torch 2.0's torch.compile does not support Python 3.11.
 RELEASES = [
-    ("2.0.1", "3.10"),
-    ("2.1.2", "3.11"),
-    ("2.2.2", "3.11"),
-    ("2.3.1", "3.11"),
-    ("2.4.1", "3.11"),
-    ("2.5.1", "3.11"),
-    ("2.6.0", "3.11"),
-    ("2.7.1", "3.11"),
-    ("2.8.0", "3.11"),
-    ("2.9.1", "3.11"),
-    ("2.10.0", "3.11"),
-    ("2.11.0", "3.11"),
-    ("2.12.1", "3.11"),
-    ("2.13.0", "3.11"),
-    ("2.14.1", "3.11"),
-    ("2.15.0", "3.11"),
+    ("3.10", "2.0.1"),
+    ("3.11", "2.1.2"),
+    ("3.11", "2.2.2"),
+    ("3.11", "2.3.1"),
+    ("3.11", "2.4.1"),
+    ("3.11", "2.5.1"),
+    ("3.11", "2.6.0"),
+    ("3.11", "2.7.1"),
+    ("3.11", "2.8.0"),
+    ("3.11", "2.9.1"),
+    ("3.11", "2.10.0"),
+    ("3.11", "2.11.0"),
+    ("3.11", "2.12.1"),
+    ("3.11", "2.13.0"),
+    ("3.11", "2.14.1"),
+    ("3.11", "2.15.0"),
 ]
 SHIM_TESTS = sorted(str(p) for p in Path("tests").glob("test_torchfix_*.py"))
 
@@ -56,7 +57,7 @@ def install_torch(session: nox.Session, torch: str) -> None:
 
 
 @nox.session
-@nox.parametrize("python,torch", RELEASES, ids=[torch.rsplit(".", 1)[0] for torch, _ in RELEASES])
+@nox.parametrize("python,torch", RELEASES, ids=[torch.rsplit(".", 1)[0] for _, torch in RELEASES])
 def shim(session: nox.Session, torch: str) -> None:
     """torchfix's tests on one torch release."""
     install_torch(session, torch)
