@@ -121,11 +121,17 @@ def _set_compilation_env() -> Callable | None:
     return None
 
 
-def _flag_in_new_thread() -> bool:
+def _fx_flag() -> bool:
     import torch.fx._symbolic_trace as st
 
+    # torch 2.14+ (and torchfix) have the accessor; before, the plain global.
+    getter = getattr(st, "_get_is_fx_tracing", None)
+    return bool(getter() if getter else st._is_fx_tracing_flag)
+
+
+def _flag_in_new_thread() -> bool:
     seen: list[bool] = []
-    thread = threading.Thread(target=lambda: seen.append(bool(st._is_fx_tracing_flag)))
+    thread = threading.Thread(target=lambda: seen.append(_fx_flag()))
     thread.start()
     thread.join()
     return seen[0]
@@ -139,14 +145,12 @@ def h2_stuck_flag(timeout: float = 60.0) -> Result | None:
     set_compilation_env = _set_compilation_env()
     if set_compilation_env is None:
         return None
-    import torch.fx._symbolic_trace as st
-
     compiled = _compiled_add_one()
     held = _HeldTrace("symbolic_trace", timeout).__enter__()  # A: flag True
     with set_compilation_env():  # B: saves True, sets False
         held.__exit__(None, None, None)  # A: restores False
     # B restored what it saved: the flag of a trace that has ended.
-    stuck = bool(getattr(st, "_is_fx_tracing_flag", False)) or _flag_in_new_thread()
+    stuck = _fx_flag() or _flag_in_new_thread()
     error = _call(compiled)
     detail = f"flag stuck True after both finished; next compiled call: {error}" if stuck else "ok"
     return Result("H2 (_set_compilation_env interleaved with a trace)", stuck or error is not None, detail)
