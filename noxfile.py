@@ -1,11 +1,12 @@
 """The torch version matrix: the torchfix tests on one release per torch minor, 2.0 - 2.15.
 
     nox -l                      # list sessions
-    nox -s "shim(2.13)"         # one release
+    nox -s "shim(torch2.13)"    # one release (ids are not bare numbers: nox would read "2.10" as 2.1)
     nox -s shim                 # the whole matrix (downloads ~3 GB per release)
     nox -s tests                # the full suite (trainer included) on the default torch
 
-Each session asserts that the torch it runs on is the one it asked for.
+Each session asserts that the torch it runs on is the one it asked for. The torch 2.0 session needs a
+python3.10 on PATH (with pyenv: PYENV_VERSION=3.11.7:3.10.13).
 """
 
 from pathlib import Path
@@ -57,7 +58,7 @@ def install_torch(session: nox.Session, torch: str) -> None:
 
 
 @nox.session
-@nox.parametrize("python,torch", RELEASES, ids=[torch.rsplit(".", 1)[0] for _, torch in RELEASES])
+@nox.parametrize("python,torch", RELEASES, ids=[f"torch{torch.rsplit('.', 1)[0]}" for _, torch in RELEASES])
 def shim(session: nox.Session, torch: str) -> None:
     """torchfix's tests on one torch release."""
     install_torch(session, torch)

@@ -1,0 +1,30 @@
+"""python -m bench [overhead] [--quick] [--out DIR]: print a table and write JSON per benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from . import coldstart, overhead
+
+BENCHMARKS = {"overhead": overhead, "coldstart": coldstart}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("names", nargs="*", choices=[[], *BENCHMARKS], help="benchmarks to run (default: all)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
+    parser.add_argument("--out", default="bench/results", help="where to write <name>.json")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in args.names or list(BENCHMARKS):
+        result = BENCHMARKS[name].run(quick=args.quick)
+        print(f"== {name}\n{BENCHMARKS[name].table(result)}")
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""What torchfix costs: compiled-call rate and flag-read time with and without it, measured side by
+side in one process (alternating blocks, torchfix uninstalled and reinstalled between them), and the
+time ``import torchfix`` adds (fresh interpreters).
+
+Goal: compiled-call rate with torchfix / without >= 0.99.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+
+def _rate(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return calls / (time.perf_counter() - start)
+
+
+def side_by_side(fn: Callable[[], object], calls: int, rounds: int) -> dict[str, float]:
+    """Calls per second with and without torchfix, alternating which goes first in each round."""
+    import torchfix
+
+    with_fix, without_fix, ratios = [], [], []
+    for round_no in range(rounds):
+        order = (True, False) if round_no % 2 == 0 else (False, True)
+        rates = {}
+        for installed in order:
+            torchfix.install() if installed else torchfix.uninstall()
+            rates[installed] = _rate(fn, calls)
+        with_fix.append(rates[True])
+        without_fix.append(rates[False])
+        ratios.append(rates[True] / rates[False])
+    torchfix.install()
+    return {
+        "with_torchfix_per_s": statistics.median(with_fix),
+        "without_torchfix_per_s": statistics.median(without_fix),
+        "ratio": statistics.median(ratios),
+    }
+
+
+def _import_seconds(code: str, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        times.append(float(out))
+    return statistics.median(times)
+
+
+def import_cost(repeats: int) -> dict[str, float]:
+    timed = "import time; t = time.perf_counter(); {body}; print(time.perf_counter() - t)"
+    return {
+        "import_torchfix_after_torch_ms": 1e3
+        * _import_seconds("import torch; " + timed.format(body="import torchfix"), repeats),
+        "import_torch_ms": 1e3 * _import_seconds(timed.format(body="import torch"), repeats),
+        "import_torchfix_then_torch_ms": 1e3 * _import_seconds(timed.format(body="import torchfix, torch"), repeats),
+    }
+
+
+def run(quick: bool = False) -> dict[str, object]:
+    import torch
+    import torch.fx._symbolic_trace as st
+
+    import torchfix
+
+    calls, rounds = (200, 3) if quick else (20000, 15)
+    x = torch.ones(4)
+    compiled = torch.compile(lambda t: t + 1, backend="eager")
+    compiled(x)
+    predicate = getattr(st, "is_fx_symbolic_tracing", None) or st.is_fx_tracing
+    result: dict[str, object] = {
+        "torch": str(torch.__version__),
+        "fixes": {s.name: s.state.value for s in torchfix.status()},
+        "compiled_call": side_by_side(lambda: compiled(x), calls, rounds),
+        "flag_read": side_by_side(predicate, calls * 10, rounds),
+    }
+    result.update(import_cost(repeats=1 if quick else 7))
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [f"torch {result['torch']}, fixes {result['fixes']}"]
+    for key in ("compiled_call", "flag_read"):
+        r = result[key]
+        lines.append(
+            f"{key:<14} with {r['with_torchfix_per_s']:>12,.0f}/s  without {r['without_torchfix_per_s']:>12,.0f}/s"
+            f"  ratio {r['ratio']:.4f}"
+        )
+    lines += [
+        f"import torchfix (torch already imported): {result['import_torchfix_after_torch_ms']:.1f} ms",
+        f"import torch: {result['import_torch_ms']:.0f} ms; "
+        f"import torchfix, torch: {result['import_torchfix_then_torch_ms']:.0f} ms",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,25 @@
+"""The benchmarks run (tiny sizes). They measure; they assert nothing about speed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", ["overhead", "coldstart"])
+def test_benchmark_smoke(name, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", name, "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"== {name}" in proc.stdout
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    assert result["torch"]
