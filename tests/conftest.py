@@ -21,6 +21,12 @@ TORCH_VERSION = Version(
 # The FX tracing flag is a process global before torch 2.14 (H1); _set_compilation_env exists from 2.2 (H2).
 HAS_H1 = TORCH_VERSION.release < (2, 14)
 HAS_H2 = (2, 2) <= TORCH_VERSION.release < (2, 14)
+# Every Dynamo compile sets torch.compiler._is_compiling_flag, still a process global, from 2.13 (H3).
+HAS_H3 = (2, 13) <= TORCH_VERSION.release < (2, 16)
+# Tracer.trace patches nn.Module and wrapped functions process-wide in every release so far (H4).
+HAS_H4 = TORCH_VERSION.release < (2, 16)
+# Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
+HAS_H6 = TORCH_VERSION.release >= (2, 12)
 
 
 @dataclass

@@ -42,7 +42,9 @@ status = torchfix.status()[0]
 print(json.dumps({{
     "state": status.state.value, "reason": status.reason,
     "warnings": [str(w.message) for w in caught if w.category is torchfix.TorchfixWarning],
-    "untouched": type(st) is types.ModuleType and "_is_fx_tracing_flag" in vars(st)
+    # Nothing of this fix (trace-patch-isolation patches the same module, and may have been applied).
+    "untouched": not any("_is_fx_tracing_flag" in vars(cls) for cls in type(st).__mro__)
+        and "_is_fx_tracing_flag" in vars(st)
         and "_is_fx_tracing_tls" not in vars(st) and st.Tracer.trace.__code__ is trace_code,
 }}))
 """
@@ -55,7 +57,9 @@ def outcome(setup: str, after_import: str = "", **kwargs) -> dict:
 def assert_refused(result: dict, *reason_words: str) -> None:
     assert result["state"] == "unsupported", result
     assert result["untouched"], result
-    assert len(result["warnings"]) == 1 and "fx-tracing-flag not applied" in result["warnings"][0], result
+    # One warning for this fix; other fixes may warn about their own modules (an unknown version refuses all).
+    about_this_fix = [w for w in result["warnings"] if w.startswith("torchfix: fx-tracing-flag ")]
+    assert len(about_this_fix) == 1 and "fx-tracing-flag not applied" in about_this_fix[0], result
     for word in reason_words:
         assert word in result["reason"], result
 
@@ -81,7 +85,8 @@ def test_source_file_missing():
 
 def test_one_failing_patch_reverts_the_whole_fix():
     # The checkpoint part fails after the FX-flag part was applied: the FX part must be undone too.
-    edit = "lambda s: s.replace('def recompute_fn(', 'def _recompute(').replace('recompute_fn,', '_recompute,')"
+    # (Renaming the function that holds the recompute closure hides it in every release's shape.)
+    edit = "lambda s: s.replace('_checkpoint_without_reentrant', '_ckpt_no_reentrant')"
     result = outcome(f"redirect('torch.utils.checkpoint', 'utils/checkpoint.py', edit={edit})")
     assert_refused(result, "checkpoint")
 

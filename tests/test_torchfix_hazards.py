@@ -1,11 +1,11 @@
-"""H1 and H2 forced with events, each with torchfix and with TORCHFIX_DISABLE=1.
+"""H1 - H4 forced with events, each with torchfix and with its fix disabled (TORCHFIX_DISABLE).
 
 Without torchfix the hazard must show on every torch that has it (a test that passes either way
 proves nothing); with torchfix it must be gone.
 """
 
 import pytest
-from conftest import HAS_H1, HAS_H2, run_ok
+from conftest import HAS_H1, HAS_H2, HAS_H3, HAS_H4, HAS_H6, run_ok
 
 SCENARIO = """
 import dataclasses, json, sys
@@ -16,8 +16,9 @@ print(json.dumps(dataclasses.asdict(result) if result else None))
 """
 
 
-def scenario(call: str, disabled: bool) -> dict:
-    return run_ok(SCENARIO.format(call=call), disable="1" if disabled else None).json()
+def scenario(call: str, disabled: bool, fix: str = "1") -> dict:
+    """Run a self-test scenario; ``disabled`` turns off ``fix`` (all fixes by default)."""
+    return run_ok(SCENARIO.format(call=call), disable=fix if disabled else None).json()
 
 
 @pytest.mark.parametrize("tracer", ["symbolic_trace", "make_fx"])
@@ -38,3 +39,63 @@ def test_many_threads_calling_while_another_traces(disabled):
     assert result["hazard"] == (disabled and HAS_H1), result
     if disabled and HAS_H1:
         assert result["detail"].startswith("72 of 72"), result  # every call landed inside a trace
+
+
+def test_h3_compile_in_one_thread_makes_is_compiling_true_in_another(disabled):
+    result = scenario("_selftest.h3_is_compiling_elsewhere()", disabled, fix="compiler-flags")
+    if result is None:
+        pytest.skip("this torch has no torch.compiler.is_compiling (H3 needs torch 2.3+)")
+    assert result["hazard"] == (disabled and HAS_H3), result
+    if HAS_H3:  # the compiling thread itself still sees True, fix or not
+        assert result["detail"].endswith("(in the compiling thread: True)"), result
+
+
+@pytest.mark.parametrize("action", ["eager_module", "symbolic_trace", "cond"])
+def test_h4_trace_patches_act_only_in_the_tracing_thread(action, disabled):
+    result = scenario(f"_selftest.h4_trace_patches_leak({action!r})", disabled, fix="trace-patch-isolation")
+    if result is None:
+        pytest.skip("this torch has no torch.cond")
+    assert result["hazard"] == (disabled and HAS_H4), result
+
+
+def test_h4_many_threads_tracing_at_once(disabled):
+    result = scenario("_selftest.concurrent_tracers(threads=4, rounds=5)", disabled, fix="trace-patch-isolation")
+    assert result["hazard"] == (disabled and HAS_H4), result
+    if not disabled:
+        assert result["detail"] == "all 20 traces correct", result
+
+
+@pytest.mark.parametrize("propagate", [False, True], ids=["as-is", "propagate_config"])
+def test_h6_config_set_in_main_thread_reaches_workers(propagate):
+    # A thread started before the settings and one started after; each reads without setting anything.
+    ran = run_ok(f"""
+import json, threading
+import torch, torchfix
+import torch._dynamo.config as dynamo_config
+name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # 2.7 renamed it
+started, go, seen = threading.Event(), threading.Event(), {{}}
+def read(key):
+    seen[key] = getattr(dynamo_config, name)
+def early():
+    started.set(); go.wait(60); read("early")
+first = threading.Thread(target=early); first.start(); started.wait(60)
+setattr(dynamo_config, name, 3)
+propagated = torchfix.propagate_config() if {propagate} else []
+go.set(); first.join()
+later = threading.Thread(target=read, args=("later",)); later.start(); later.join()
+def own():  # a worker's own setting, and config.patch, stay per-thread on top
+    with dynamo_config.patch(name, 5):
+        seen["patched"] = getattr(dynamo_config, name)
+worker = threading.Thread(target=own); worker.start(); worker.join()
+read("main")
+print(json.dumps({{"propagated": [p.rsplit(".", 1)[1] for p in propagated], "seen": seen}}))
+""").json()
+    if not HAS_H6:
+        assert ran == {"propagated": [], "seen": {"early": 3, "later": 3, "patched": 5, "main": 3}}
+    elif propagate:
+        assert ran == {
+            "propagated": ["recompile_limit"],  # torch 2.12+ names it so
+            "seen": {"early": 3, "later": 3, "patched": 5, "main": 3},
+        }
+    else:  # the hazard: workers see the default
+        assert ran["seen"]["early"] != 3 and ran["seen"]["later"] != 3 and ran["seen"]["main"] == 3, ran

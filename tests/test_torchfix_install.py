@@ -1,7 +1,7 @@
 """Import orderings and the install/uninstall lifecycle, each in a fresh interpreter."""
 
 import pytest
-from conftest import HAS_H1, run_ok
+from conftest import HAS_H1, HAS_H3, HAS_H4, run_ok
 
 needs_h1 = pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ keeps the FX flag per thread itself")
 
@@ -109,3 +109,37 @@ print(json.dumps({"pending": pending, "state": torchfix.status()[0].state.value,
                   "untouched": "_is_fx_tracing_flag" in vars(st)}))
 """).json()
     assert ran == {"pending": "pending import", "state": "not installed", "untouched": True}
+
+
+@pytest.mark.skipif(not (HAS_H3 and HAS_H4), reason="needs a torch with both H3 and H4")
+def test_uninstall_restores_compiler_flags_and_trace_patches():
+    ran = run_ok("""
+import inspect, json
+import torch, torch.compiler, torch.fx._symbolic_trace as st
+def codes(module):  # no torchfix import yet: that would install it
+    found = {}
+    for key, value in vars(module).items():
+        members = vars(value).items() if isinstance(value, type) and value.__module__ == module.__name__ else []
+        for name, obj in [(key, value), *((f"{key}.{k}", v) for k, v in members)]:
+            code = getattr(inspect.unwrap(obj) if inspect.isfunction(obj) else obj, "__code__", None)
+            if code is not None:
+                found[name] = code
+    return found
+def snapshot():
+    return [(type(m), sorted(vars(m)), codes(m)) for m in (torch.compiler, st)]
+before = snapshot()
+import torchfix
+from torchfix import _selftest
+states = {s.name: s.state.value for s in torchfix.status()}
+fixed = [_selftest.h3_is_compiling_elsewhere().hazard, _selftest.h4_trace_patches_leak("eager_module").hazard]
+torchfix.uninstall()
+after_uninstall = [_selftest.h3_is_compiling_elsewhere().hazard, _selftest.h4_trace_patches_leak("eager_module").hazard]
+print(json.dumps({"states": [states["compiler-flags"], states["trace-patch-isolation"]], "fixed": fixed,
+                  "restored": snapshot() == before, "after_uninstall": after_uninstall}))
+""").json()
+    assert ran == {
+        "states": ["applied", "applied"],
+        "fixed": [False, False],
+        "restored": True,
+        "after_uninstall": [True, True],
+    }

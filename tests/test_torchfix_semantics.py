@@ -2,7 +2,7 @@
 the forward's flag (torch 2.14's behaviour), verify() catches a global access left behind."""
 
 import pytest
-from conftest import HAS_H1, run_ok
+from conftest import HAS_H1, HAS_H3, run_ok
 
 
 def test_fullgraph_compile_folds_the_predicates(disabled):
@@ -13,7 +13,7 @@ import torchfix, torch
 import torch.fx._symbolic_trace as st
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
-is_compiling = getattr(torch.compiler, "is_compiling", None)
+is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)  # torch 2.3+
 symbolic = getattr(st, "is_fx_symbolic_tracing", None)
 
 def f(x):
@@ -77,3 +77,38 @@ except Exception as exc:
     print(json.dumps(str(exc)))
 """).json()
     assert "sneaky: LOAD_GLOBAL _is_fx_tracing_flag" in ran
+
+
+def test_joint_trace_backward_sees_is_compiling_in_the_compiling_thread(disabled):
+    # What runs for a compile but is not traced by Dynamo (a custom op's fake kernel, and its backward
+    # formula run by torch.autograd.grad while AOTAutograd traces the joint graph) must still see
+    # is_compiling() True: on CPU autograd runs those on the compiling thread, where the value lives.
+    ran = run_ok(
+        """
+import json, threading
+import torchfix, torch
+if not hasattr(torch.library, "custom_op"):
+    print(json.dumps(None)); raise SystemExit
+seen = set()
+@torch.library.custom_op("torchfix_test::double", mutates_args=())
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+@double.register_fake
+def _(x):
+    seen.add(("fake", threading.current_thread().name, torch.compiler.is_compiling()))
+    return torch.empty_like(x)
+def backward(ctx, grad):
+    seen.add(("backward", threading.current_thread().name, torch.compiler.is_compiling()))
+    return grad * 2
+double.register_autograd(backward)
+compiled = torch.compile(lambda x: double(x).sum(), backend="aot_eager")
+thread = threading.Thread(target=lambda: compiled(torch.ones(3, requires_grad=True)), name="compiler")
+thread.start(); thread.join()
+print(json.dumps(sorted(seen)))
+""",
+        disable="compiler-flags" if disabled else None,
+    ).json()
+    if ran is None:
+        pytest.skip("torch.library.custom_op needs torch 2.4+")
+    compiling = HAS_H3  # before 2.13 only export paths set the flag
+    assert ran == [["backward", "compiler", compiling], ["fake", "compiler", compiling]]

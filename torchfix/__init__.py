@@ -4,12 +4,25 @@
 needs, now or when torch is imported. ``status()`` says what was done and why; ``uninstall()`` undoes
 it. ``TORCHFIX_DISABLE=1`` (or ``=fix-name,...``) turns fixes off; ``TORCHFIX_STRICT=1`` raises
 instead of warning when a needed fix cannot be applied. ``python -m torchfix`` prints a report.
+
+``propagate_config()`` (torch 2.12+, where Dynamo/Inductor config is per thread) makes the settings
+made in the calling thread apply in every thread: call it once after configuring.
 """
 
+from ._config import propagate_config
 from ._fix import FixStatus, State
 from ._install import TorchfixError, TorchfixWarning, install, status, uninstall
 
-__all__ = ["FixStatus", "State", "TorchfixError", "TorchfixWarning", "install", "status", "uninstall"]
+__all__ = [
+    "FixStatus",
+    "State",
+    "TorchfixError",
+    "TorchfixWarning",
+    "install",
+    "propagate_config",
+    "status",
+    "uninstall",
+]
 __version__ = "0.1.0"
 
 install()

@@ -13,6 +13,7 @@ from pathlib import Path
 import torchfix
 
 from . import fixes
+from ._config import config_is_per_thread
 from ._fix import State
 from ._source import ShapeError
 
@@ -35,6 +36,12 @@ def doctor(selftest: bool) -> int:
         problems += entry.state is State.UNSUPPORTED
         print(f"  {entry.name:<26} {entry.state.value:<14} {entry.reason}")
         print(f"  {'':<26} hazard: {hazards[entry.name]}")
+    if config_is_per_thread():
+        print(
+            "\nconfig: per thread (torch 2.12+): torch._dynamo/_inductor config set in one thread is not seen in other"
+        )
+        print("        threads (nor autograd's, where backward graphs compile): call torchfix.propagate_config() after")
+        print("        configuring, to make those settings the process's")
     if selftest:
         print("\nself-test (the hazards, forced with events in live threads):")
         for result in _selftest.run_all(timeout=60.0):

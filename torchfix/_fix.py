@@ -5,12 +5,27 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ._patch import SourcePatch
 from ._source import apply_edits, unified_diff
+
+
+class Patch(Protocol):
+    """What every patch does: source patches (``_patch``) and default changes (``_defaults``)."""
+
+    module_name: str
+
+    def apply(self) -> None: ...  # raises (and changes nothing) when torch is not the expected shape
+
+    def revert(self) -> None: ...
+
+    def verify(self) -> None: ...  # raises when the patch is not in effect
+
+    def describe(self) -> str: ...  # one line for the diff header
 
 
 class State(str, enum.Enum):
@@ -45,7 +60,7 @@ class Fix:
     hazard: str  # one line: what goes wrong without the fix
     versions: SpecifierSet  # the torch releases whose source the patches were written against
     probe: Callable[[], str | None]
-    patches: Callable[[], list[SourcePatch]]  # fresh patch objects (they hold their undo state)
+    patches: Callable[[], list[Patch]]  # fresh patch objects (they hold their undo state)
 
     def supports(self, torch_version: str) -> bool:
         try:
@@ -53,7 +68,7 @@ class Fix:
         except InvalidVersion:
             return False
 
-    def apply(self, torch_version: str) -> tuple[FixStatus, list[SourcePatch]]:
+    def apply(self, torch_version: str) -> tuple[FixStatus, list[Patch]]:
         """Apply every patch or none. Returns the status and the applied patches (for revert)."""
         try:
             not_needed = self.probe()
@@ -67,7 +82,7 @@ class Fix:
                 f"the hazard is present but torch {torch_version} is outside the releases this fix "
                 f"was written for ({self.versions}); nothing was patched",
             ), []
-        applied: list[SourcePatch] = []
+        applied: list[Patch] = []
         try:
             for patch in self.patches():
                 patch.apply()
@@ -88,6 +103,8 @@ class Fix:
         for patch in self.patches():
             parts.append(f"# {patch.describe()}\n")
         for patch in self.patches():
+            if not isinstance(patch, SourcePatch):
+                continue  # a default change: its header line says it all
             source = read_source(patch.relpath)
             parts.append(unified_diff(patch.relpath, source, apply_edits(source, patch.edits(source))))
         return "".join(parts)
@@ -96,6 +113,6 @@ class Fix:
         return FixStatus(self.name, state, reason)
 
 
-def revert_all(patches: list[SourcePatch]) -> None:
+def revert_all(patches: list[Patch]) -> None:
     for patch in reversed(patches):
         patch.revert()

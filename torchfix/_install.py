@@ -15,8 +15,7 @@ import warnings
 import wrapt
 
 from . import fixes
-from ._fix import Fix, FixStatus, State, revert_all
-from ._patch import SourcePatch
+from ._fix import Fix, FixStatus, Patch, State, revert_all
 
 
 class TorchfixWarning(UserWarning):
@@ -29,7 +28,7 @@ class TorchfixError(RuntimeError):
 
 _lock = threading.RLock()
 _statuses: dict[str, FixStatus] = {}
-_applied: list[tuple[Fix, list[SourcePatch]]] = []
+_applied: list[tuple[Fix, list[Patch]]] = []
 # Each install that waits for torch gets a new generation; uninstall moves on, so a hook registered
 # earlier and fired later finds itself stale and does nothing (wrapt has no way to unregister a hook).
 _generation = 0

@@ -16,7 +16,7 @@ import threading
 import types
 from collections.abc import Iterator
 
-from ._source import CodeSwap, Edit, ShapeError, iter_code, live_functions, replace_node
+from ._source import CodeSwap, Edit, ShapeError, iter_code, live_functions, parse, replace_node
 
 _GLOBAL_OPS = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"}
 
@@ -75,6 +75,16 @@ class SourcePatch:
         pass
 
 
+def _module_level_names(source: str) -> set[str]:
+    """Names the module body assigns (``x = ...``, ``x: T = ...``), as the file defines its globals."""
+    names = set()
+    for node in parse(source).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(target.id for target in targets if isinstance(target, ast.Name))
+    return names
+
+
 def _function_scopes(table: symtable.SymbolTable) -> Iterator[symtable.SymbolTable]:
     for child in table.get_children():
         if child.get_type() == "function":
@@ -89,7 +99,7 @@ def _global_uses(source: str, filename: str, name: str) -> tuple[list[ast.Name],
     Whether a name in a function is global is the compiler's call (a parameter, an assignment or a
     ``global`` statement anywhere in the function changes it), so ask ``symtable`` rather than guess.
     """
-    tree = ast.parse(source, filename)
+    tree = parse(source)
     global_scopes = {
         (scope.get_name(), scope.get_lineno())
         for scope in _function_scopes(symtable.symtable(source, filename, "exec"))
@@ -134,15 +144,23 @@ class ThreadLocalGlobals(SourcePatch):
       none is left.
     """
 
-    def __init__(self, module: str, relpath: str, holder: str, attrs: dict[str, str]) -> None:
+    def __init__(
+        self, module: str, relpath: str, holder: str, attrs: dict[str, str], optional: frozenset[str] = frozenset()
+    ) -> None:
         super().__init__(module, relpath)
         self.holder = holder
         self.attrs = attrs  # global name -> attribute of the thread-local holder
+        # Names some releases do not have yet (torch adds flags over time): moved where the file defines them.
+        self.optional = optional
         self._saved_class: type | None = None
+        self._moved: dict[str, str] = {}  # the attrs moved in the live module
+
+    def _present(self, defined: object) -> dict[str, str]:
+        return {name: attr for name, attr in self.attrs.items() if name not in self.optional or name in defined}
 
     def edits(self, source: str) -> list[Edit]:
         edits = []
-        for name, attr in self.attrs.items():
+        for name, attr in self._present(_module_level_names(source)).items():
             uses, declarations = _global_uses(source, self.relpath, name)
             if not uses:
                 raise ShapeError(f"{self.relpath}: no function uses the global {name}")
@@ -152,8 +170,9 @@ class ThreadLocalGlobals(SourcePatch):
 
     def describe(self) -> str:
         moved = ", ".join(f"{name} -> {self.holder}.{attr}" for name, attr in self.attrs.items())
+        where = f" ({', '.join(sorted(self.optional))} only where the file defines them)" if self.optional else ""
         return (
-            f"{self.relpath}: module globals moved to a threading.local ({moved}); "
+            f"{self.relpath}: module globals moved to a threading.local ({moved}){where}; "
             f"`{self.module_name}.<name>` from other modules goes through a property of the same name"
         )
 
@@ -168,27 +187,30 @@ class ThreadLocalGlobals(SourcePatch):
 
     def _install_state(self, module: types.ModuleType) -> None:
         namespace = vars(module)
-        missing = [name for name in self.attrs if name not in namespace]
+        moved = self._present(namespace)
+        missing = [name for name in moved if name not in namespace]
         if missing or self.holder in namespace:
             raise ShapeError(f"{module.__name__}: expected globals {missing} and no {self.holder}")
-        defaults = {attr: namespace[name] for name, attr in self.attrs.items()}
+        defaults = {attr: namespace[name] for name, attr in moved.items()}
         namespace[self.holder] = _thread_local_class(self.holder, defaults)()
         self._saved_class = type(module)
         module.__class__ = type(
             "ModuleWithThreadLocals",
             (type(module),),
-            {name: _holder_property(self.holder, attr) for name, attr in self.attrs.items()},
+            {name: _holder_property(self.holder, attr) for name, attr in moved.items()},
         )
-        for name in self.attrs:
+        for name in moved:
             del namespace[name]
+        self._moved = moved
 
     def _remove_state(self, module: types.ModuleType) -> None:
         namespace = vars(module)
         holder = namespace.pop(self.holder)
         # The calling thread's values become the shared globals again.
-        for name, attr in self.attrs.items():
+        for name, attr in self._moved.items():
             namespace[name] = getattr(holder, attr)
         module.__class__ = self._saved_class
+        self._moved = {}
 
     def verify(self) -> None:
         super().verify()
@@ -197,13 +219,33 @@ class ThreadLocalGlobals(SourcePatch):
             f"{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}: {ins.opname} {ins.argval}"
             for func in live_functions(module)
             for code in iter_code(func.__code__)
+            if not self.attrs.keys().isdisjoint(code.co_names)  # disassemble only code that names them
             for ins in dis.get_instructions(code)
-            if ins.opname in _GLOBAL_OPS and ins.argval in self.attrs
+            if ins.opname in _GLOBAL_OPS and ins.argval in self._moved
         ]
         if left:
             raise ShapeError(f"{module.__name__}: global access left after patching: {', '.join(left)}")
-        if any(name in vars(module) for name in self.attrs):
+        if any(name in vars(module) for name in self._moved):
             raise ShapeError(f"{module.__name__}: a global came back into the module dict")
+        self._verify_per_thread(module)
+
+    def _verify_per_thread(self, module: types.ModuleType) -> None:
+        """Behaviour, not just bytecode: a value set through ``module.NAME`` in another thread stays there."""
+        mine = {name: getattr(module, name) for name in self._moved}
+        seen_elsewhere: dict[str, object] = {}
+
+        def other_thread() -> None:
+            for name in self._moved:
+                setattr(module, name, not mine[name])
+                seen_elsewhere[name] = getattr(vars(module)[self.holder], self._moved[name])
+
+        thread = threading.Thread(target=other_thread, name="torchfix-verify")
+        thread.start()
+        thread.join()
+        if seen_elsewhere != {name: not value for name, value in mine.items()} or any(
+            getattr(module, name) != value for name, value in mine.items()
+        ):
+            raise ShapeError(f"{module.__name__}: {', '.join(self._moved)} did not behave per-thread after patching")
 
 
 def _holder_property(holder: str, attr: str) -> property:

@@ -47,33 +47,76 @@ def _call(compiled: Callable) -> str | None:
     return None
 
 
-class _HeldTrace:
-    """A thread inside ``Tracer.trace`` (via ``symbolic_trace`` or ``make_fx``) until released.
+# The graph symbolic_trace must make of _module_around: x + 1, then the Linear as a leaf module.
+MODULE_GRAPH = ["placeholder", "call_function", "call_module", "output"]
 
-    ``with _HeldTrace(...):`` returns once the thread is inside the traced function, and lets the
-    trace finish on exit.
+
+def _module_around(inner: Callable):
+    """A module whose forward runs ``inner`` (traced through) and then a submodule (a leaf)."""
+    import torch
+
+    class Around(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.linear(inner(x))
+
+    return Around()
+
+
+def _graph_ops(module) -> list[str]:
+    import torch
+
+    return [node.op for node in torch.fx.symbolic_trace(module).graph.nodes]
+
+
+class _HeldTrace:
+    """A thread inside ``Tracer.trace`` (``symbolic_trace`` of a function, ``symbolic_trace_module``
+    of a module with a submodule, ``make_fx``), or inside a ``torch.compile`` (``"compile"``: its backend
+    holds the compile open), until released.
+
+    ``with _HeldTrace(...):`` returns once the thread is inside the traced function (or the backend),
+    and lets the trace finish on exit. ``seen_inside`` holds what ``probe`` returned in there;
+    ``graph_ops`` the node kinds of a ``symbolic_trace_module`` graph.
     """
 
-    def __init__(self, tracer: str, timeout: float) -> None:
-        self.tracer, self.timeout = tracer, timeout
+    def __init__(self, tracer: str, timeout: float, probe: Callable[[], object] | None = None) -> None:
+        self.tracer, self.timeout, self.probe = tracer, timeout, probe
         self.inside, self.release = threading.Event(), threading.Event()
         self.errors: list[BaseException] = []
+        self.seen_inside: list[object] = []
+        self.graph_ops: list[str] = []
         self.thread = threading.Thread(target=self._run, name=f"held-{tracer}", daemon=True)
+
+    def _hold(self) -> None:
+        if self.probe is not None:
+            self.seen_inside.append(self.probe())
+        self.inside.set()
+        self.release.wait(self.timeout)
 
     def _run(self) -> None:
         import torch
         from torch.fx.experimental.proxy_tensor import make_fx
 
         def held_open(x):  # a plain function: symbolic_trace reads its __globals__
-            self.inside.set()
-            self.release.wait(self.timeout)
+            self._hold()
             return x + 1
+
+        def held_backend(gm, example_inputs):
+            self._hold()
+            return gm.forward
 
         try:
             if self.tracer == "symbolic_trace":
                 torch.fx.symbolic_trace(held_open)
-            else:
+            elif self.tracer == "symbolic_trace_module":
+                self.graph_ops = _graph_ops(_module_around(held_open))
+            elif self.tracer == "make_fx":
                 make_fx(held_open)(torch.ones(2))
+            else:
+                torch.compile(_add_one, backend=held_backend)(torch.ones(2))
         except BaseException as exc:  # reported by __exit__
             self.errors.append(exc)
 
@@ -156,6 +199,112 @@ def h2_stuck_flag(timeout: float = 60.0) -> Result | None:
     return Result("H2 (_set_compilation_env interleaved with a trace)", stuck or error is not None, detail)
 
 
+def h3_is_compiling_elsewhere(timeout: float = 60.0) -> Result | None:
+    """H3: while thread A compiles (its backend held open), ``torch.compiler.is_compiling()`` in thread B.
+
+    From torch 2.13 every Dynamo compile sets the flag (before, only export paths do). None where torch
+    has no ``torch.compiler.is_compiling`` (before 2.3).
+    """
+    import torch
+
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    if is_compiling is None:
+        return None
+    with _HeldTrace("compile", timeout, probe=is_compiling) as held:
+        elsewhere = is_compiling()
+    detail = (
+        f"is_compiling() during another thread's compile: {elsewhere} (in the compiling thread: {held.seen_inside[0]})"
+    )
+    return Result("H3 (torch.compile in one thread, is_compiling() in another)", elsewhere, detail)
+
+
+def _module_slots() -> dict[str, object]:
+    """What ``Tracer.trace`` patches on ``nn.Module``: must be the originals again once no trace runs."""
+    import torch
+
+    return {name: vars(torch.nn.Module)[name] for name in ("__call__", "__getattr__")}
+
+
+def h4_trace_patches_leak(action: str, timeout: float = 60.0) -> Result | None:
+    """H4: thread A holds a ``symbolic_trace`` of a module open while the main thread does ``action``:
+
+    * ``eager_module``: calls a module eagerly (without the fix it runs A's patched ``Module.__call__``);
+    * ``symbolic_trace``: a third thread starts its own trace, held open until A has finished (they overlap
+      without nesting: without the fix A reverts B's patcher, B finds ``CURRENT_PATCHER`` None);
+    * ``cond``: runs ``torch.cond`` eagerly (it compiles its branches with Dynamo).
+
+    The hazard shows as an error in either thread, a wrong graph, or ``nn.Module`` left patched.
+    None for ``cond`` where torch has no ``torch.cond``.
+    """
+    import torch
+
+    if action == "cond" and not hasattr(torch, "cond"):
+        return None
+    slots = _module_slots()
+    errors: list[str] = []
+    graphs: list[list[str]] = []
+    held = _HeldTrace("symbolic_trace_module", timeout).__enter__()
+    other: _HeldTrace | None = None
+    try:
+        if action == "eager_module":
+            torch.nn.Linear(2, 2)(torch.ones(2))
+        elif action == "symbolic_trace":
+            other = _HeldTrace("symbolic_trace_module", timeout).__enter__()
+        else:
+            torch.cond(torch.tensor(True), torch.sin, torch.cos, (torch.ones(2),))
+    except Exception as exc:
+        errors.append(f"main thread: {exc!r}")
+    for trace in (held, other):  # A finishes first
+        if trace is not None:
+            trace.__exit__(RuntimeError, None, None)  # errors are collected here, not raised
+            errors += [f"{trace.thread.name}: {exc!r}" for exc in trace.errors]
+            graphs.append(trace.graph_ops)
+    wrong = [ops for ops in graphs if ops != MODULE_GRAPH]
+    leaked = [name for name, value in _module_slots().items() if value is not slots[name]]
+    problems = errors + [f"wrong graph {ops}" for ops in wrong] + [f"nn.Module.{name} left patched" for name in leaked]
+    return Result(f"H4 ({action} in one thread while another traces)", bool(problems), "; ".join(problems) or "ok")
+
+
+def concurrent_tracers(threads: int = 4, rounds: int = 5, timeout: float = 60.0) -> Result:
+    """H4 under load: ``threads`` threads ``symbolic_trace`` a module at once, every round; a barrier inside
+    the traced code makes all of them be inside their traces together, and they finish in any order.
+    """
+    slots = _module_slots()
+    barrier = threading.Barrier(threads, timeout=timeout)
+    problems: list[str] = []
+
+    def in_every_trace(x):
+        barrier.wait()
+        return x + 1
+
+    def tracer() -> None:
+        for _ in range(rounds):
+            try:
+                ops = _graph_ops(_module_around(in_every_trace))
+                if ops != MODULE_GRAPH:
+                    problems.append(f"wrong graph {ops}")
+            except threading.BrokenBarrierError:
+                return  # another thread failed first and broke the barrier; its error is recorded
+            except Exception as exc:
+                problems.append(repr(exc))
+                barrier.abort()
+                return
+
+    workers = [threading.Thread(target=tracer, name=f"tracer-{i}", daemon=True) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout)
+    if any(worker.is_alive() for worker in workers):
+        raise TimeoutError("a tracer thread did not finish")
+    problems += [
+        f"nn.Module.{name} left patched" for name, value in _module_slots().items() if value is not slots[name]
+    ]
+    traces = threads * rounds
+    detail = f"{len(problems)} problem(s): {'; '.join(problems[:3])}" if problems else f"all {traces} traces correct"
+    return Result(f"H4 x{traces} ({threads} threads tracing at once, {rounds} rounds)", bool(problems), detail)
+
+
 def many_threads(rounds: int = 20, callers: int = 4, timeout: float = 60.0) -> Result:
     """H1 under load: in each round one thread traces (symbolic_trace and make_fx in turn) while
     ``callers`` threads each make a compiled call; a barrier makes every call land inside the trace.
@@ -202,6 +351,24 @@ def many_threads(rounds: int = 20, callers: int = 4, timeout: float = 60.0) -> R
 
 
 def run_all(timeout: float = 60.0) -> list[Result]:
-    results = [h1_nested_trace_error("symbolic_trace", timeout), h1_nested_trace_error("make_fx", timeout)]
-    h2 = h2_stuck_flag(timeout)  # last: without the fix it breaks the process for good
-    return results + ([h2] if h2 else [])
+    """Every scenario this torch has. Without the fixes, H2 and H4 can leave the process broken (a stuck
+    flag, ``nn.Module`` left patched): they run last, and a scenario that raises because an earlier one
+    broke the process is reported as a failure rather than stopping the report."""
+    scenarios: list[tuple[str, Callable[[], Result | None]]] = [
+        ("H1 symbolic_trace", lambda: h1_nested_trace_error("symbolic_trace", timeout)),
+        ("H1 make_fx", lambda: h1_nested_trace_error("make_fx", timeout)),
+        ("H3", lambda: h3_is_compiling_elsewhere(timeout)),
+        ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
+        ("H2", lambda: h2_stuck_flag(timeout)),
+        ("H4 cond", lambda: h4_trace_patches_leak("cond", timeout)),
+        ("H4 symbolic_trace", lambda: h4_trace_patches_leak("symbolic_trace", timeout)),
+    ]
+    results = []
+    for name, scenario in scenarios:
+        try:
+            result = scenario()
+        except Exception as exc:
+            result = Result(name, True, f"raised {exc!r}")
+        if result is not None:
+            results.append(result)
+    return results

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ class Edit:
     def __post_init__(self) -> None:
         if "\n" in self.text:
             raise ValueError("an edit may not add lines: it would shift every line number after it")
+
+
+@functools.lru_cache(maxsize=4)
+def parse(source: str) -> ast.Module:
+    """The AST of a torch file; cached, since computing the edits and swapping them in both need it."""
+    return ast.parse(source)
 
 
 def replace_node(node: ast.AST, text: str) -> Edit:
@@ -173,7 +180,7 @@ class CodeSwap:
         """
         filename = module.__file__
         new_source = apply_edits(source, edits)
-        tree = ast.parse(source, filename)
+        tree = parse(source)
         try:
             compiled = compile(new_source, filename, "exec", dont_inherit=True)
         except SyntaxError as exc:

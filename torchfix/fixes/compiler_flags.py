@@ -1,0 +1,73 @@
+"""compiler-flags: ``torch.compiler``'s compile/export flags become per-thread (hazard H3).
+
+``torch.compiler.is_compiling()`` returns the module global ``_is_compiling_flag`` (torch 2.3+), next to
+``_is_exporting_flag`` (2.7+) and ``_is_non_strict_tracing_flag`` (2.12+). Export paths set the first two
+(``torch.export._trace`` by module attribute, ``torch._export.utils._compiling_state_context`` from 2.7)
+and from 2.13 every Dynamo compile sets ``_is_compiling_flag`` for its whole duration
+(``_compile_session_context``, entered by ``convert_frame._compile``). As process globals, one thread's
+compile makes ``is_compiling()`` True in every other thread, and eager code there (``nn.Module.__call__``'s
+hook handling, checkpointing, transformers) takes compile-only paths. All three are still globals in 2.15.
+
+The flags move to a ``threading.local`` (``torch.compiler._compiler_flags_tls``); the functions of
+``torch.compiler`` that use them are recompiled, and the writers in other modules
+(``torch.compiler._is_compiling_flag = True``) go through a module-class property. No release imports the
+flags by name (``from torch.compiler import _is_compiling_flag``): every outside use is a module attribute.
+Dynamo still constant-folds ``is_compiling()`` to True inside compiled code (it matches the function
+object, whose identity the ``__code__`` swap keeps).
+
+Where the value must follow a compile to another thread (what we found in torch 2.3 - 2.15):
+
+* The flag is set around the compile of a frame, in the compiling thread. Everything torch runs *for* that
+  compile in Python runs there too: Dynamo, AOTAutograd, the joint-graph trace (``torch.autograd.grad`` on
+  fake tensors), Inductor's lowering. Inductor's worker pools compile generated code and never read the flag.
+* The joint graph's backward nodes run on the thread of the autograd engine that owns the device: for CPU
+  tensors the calling (compiling) thread, so the value follows; tested on CPU (a custom op's fake kernel
+  and its backward formula, run while AOTAutograd traces the joint graph, see True). For CUDA the engine
+  runs them on its device thread. The readers there are wrapper-subclass ``__torch_dispatch__``
+  implementations (the ones the 2.13 comment in ``compile_inner`` names) and anything else in a backward
+  formula: under torchfix they read False on that thread (upstream reads True only because the flag is
+  shared by every thread, which is the hazard). Not covered yet: carrying the value onto autograd's device
+  threads needs a hook in the engine's thread-local state, which Python cannot reach; untested on CUDA.
+* A lazily compiled backward is compiled at the first ``backward()``, outside any Dynamo compile session:
+  upstream does not set the flag there either, so per-thread storage changes nothing for it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from packaging.specifiers import SpecifierSet
+
+from .._fix import Fix
+from .._patch import ThreadLocalGlobals
+
+MODULE = "torch.compiler"
+HOLDER = "_compiler_flags_tls"
+FLAGS = {
+    "_is_compiling_flag": "is_compiling",  # 2.3+
+    "_is_exporting_flag": "is_exporting",  # 2.7+
+    "_is_non_strict_tracing_flag": "is_non_strict_tracing",  # 2.12+
+}
+
+
+def _patch() -> ThreadLocalGlobals:
+    newer = frozenset(FLAGS) - {"_is_compiling_flag"}
+    return ThreadLocalGlobals(MODULE, "torch/compiler/__init__.py", HOLDER, FLAGS, optional=newer)
+
+
+def _probe() -> str | None:
+    module = sys.modules.get(MODULE) or __import__(MODULE, fromlist=["_"])
+    if isinstance(vars(module).get("_is_compiling_flag"), bool):
+        return None
+    if HOLDER in vars(module):
+        return "torch.compiler's flags are per-thread already"
+    return f"{MODULE} has no global _is_compiling_flag (torch before 2.3, or changed upstream)"
+
+
+FIX = Fix(
+    name="compiler-flags",
+    hazard="while one thread compiles or exports, torch.compiler.is_compiling() is True in every thread",
+    versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
+    probe=_probe,
+    patches=lambda: [_patch()],
+)
