@@ -25,6 +25,8 @@ HAS_H2 = (2, 2) <= TORCH_VERSION.release < (2, 14)
 HAS_H3 = (2, 13) <= TORCH_VERSION.release < (2, 16)
 # Tracer.trace patches nn.Module and wrapped functions process-wide in every release so far (H4).
 HAS_H4 = TORCH_VERSION.release < (2, 16)
+# torch can compile backward graphs with their forward (the H5 fix's switch) from 2.9.
+HAS_H5_SWITCH = TORCH_VERSION.release >= (2, 9)
 # Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
 

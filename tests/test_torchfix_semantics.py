@@ -2,7 +2,7 @@
 the forward's flag (torch 2.14's behaviour), verify() catches a global access left behind."""
 
 import pytest
-from conftest import HAS_H1, HAS_H3, run_ok
+from conftest import HAS_H1, HAS_H3, HAS_H5_SWITCH, run_ok
 
 
 def test_fullgraph_compile_folds_the_predicates(disabled):
@@ -19,6 +19,10 @@ symbolic = getattr(st, "is_fx_symbolic_tracing", None)
 def f(x):
     x = x + (1 if is_compiling is None or is_compiling() else 1000)
     x = x + (10000 if st.is_fx_tracing() else 0)
+    # An import inside compiled code hands Dynamo the patched module itself: it must still be a plain
+    # module to Dynamo (some releases check `type(m) is ModuleType`).
+    from torch.fx._symbolic_trace import is_fx_tracing
+    x = x + (10000 if is_fx_tracing() else 0)
     return x + (10000 if symbolic is not None and symbolic() else 0)
 
 counter = CompileCounter()
@@ -112,3 +116,61 @@ print(json.dumps(sorted(seen)))
         pytest.skip("torch.library.custom_op needs torch 2.4+")
     compiling = HAS_H3  # before 2.13 only export paths set the flag
     assert ran == [["backward", "compiler", compiling], ["fake", "compiler", compiling]]
+
+
+def test_set_compilation_env_clears_the_flag_of_its_own_thread():
+    # _set_compilation_env writes the flag as a module attribute from another module: that write must
+    # reach the calling thread's flag (torch 2.2+; 2.14+ does this upstream).
+    ran = run_ok("""
+import json
+import torchfix, torch
+import torch.fx._symbolic_trace as st
+from torchfix._selftest import _set_compilation_env
+set_compilation_env = _set_compilation_env()
+if set_compilation_env is None:
+    print(json.dumps(None)); raise SystemExit
+with st._is_fx_tracing_context(True):
+    with set_compilation_env():
+        inside = st._get_is_fx_tracing()
+    after = st._get_is_fx_tracing()
+print(json.dumps([inside, after]))
+""").json()
+    if ran is None:
+        pytest.skip("no _set_compilation_env before torch 2.2")
+    assert ran == [False, True]
+
+
+@pytest.mark.skipif(not HAS_H5_SWITCH, reason="no eager backward lowering switch before torch 2.9")
+def test_backward_is_compiled_with_the_forward_in_every_thread(disabled):
+    # The H5 fix: a backward graph is compiled inside the forward compile (under the lock it holds), not
+    # lazily on autograd's device thread; in threads started before `import torchfix` too.
+    ran = run_ok(
+        """
+import json, threading
+import torch
+from torch._dynamo.backends.common import aot_autograd
+compiled = []
+def record(kind):
+    def compiler(graph, example_inputs):
+        compiled.append(kind)
+        return graph.forward
+    return compiler
+backend = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
+imported = threading.Event()
+seen = {}
+def worker():
+    imported.wait()
+    step = torch.compile(lambda w, x: (w * x).sin().sum(), backend=backend)
+    loss = step(torch.ones(4, requires_grad=True), torch.ones(4))
+    seen["before_backward"] = list(compiled)
+    loss.backward()
+thread = threading.Thread(target=worker)
+thread.start()
+import torchfix
+imported.set()
+thread.join()
+print(json.dumps(seen["before_backward"]))
+""",
+        disable="backward-compile-deadlock" if disabled else None,
+    ).json()
+    assert ran == (["forward"] if disabled else ["forward", "backward"])

@@ -55,14 +55,15 @@ def propagate_config() -> list[str]:
             propagated.append(f"{module.__name__}.{name}")
             changed = True
         if changed:
-            _invalidate_caches(module)
+            invalidate_config_caches(module)
     return propagated
 
 
-def _invalidate_caches(module: object) -> None:
-    """The calling thread's cached hash and dict of the module's config were computed from the old entries."""
+def invalidate_config_caches(module: object) -> None:
+    """A config module caches its hash (part of compile cache keys) and dict copies; an assignment marks
+    them dirty, a change of entries or defaults does not: mark the calling thread's as an assignment would."""
     if hasattr(module, "_hash_dirty_var"):  # 2.13+: per-thread caches
         module._hash_dirty_var.set(True)
         module._get_dict_dirty_keys_var.set(None)
-    else:  # 2.12: one process-wide hash cache
+    else:  # up to 2.12: one process-wide hash cache
         module._is_dirty = True

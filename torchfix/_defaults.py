@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 import threading
-import types
 
+from ._config import invalidate_config_caches
 from ._source import ShapeError
 
 _UNSET = object()
@@ -23,6 +23,8 @@ class ConfigDefault:
     ``default`` is what every thread without an override of its own reads, so that is what we change.
     An explicit user setting still wins, in the thread that made it.
     """
+
+    patched = True
 
     def __init__(self, module: str, name: str, value: object) -> None:
         self.module_name, self.name, self.value = module, name, value
@@ -41,12 +43,12 @@ class ConfigDefault:
     def apply(self) -> None:
         entry = self._entry()
         self._saved, entry.default = entry.default, self.value
-        _invalidate_caches(importlib.import_module(self.module_name), self.name)
+        invalidate_config_caches(importlib.import_module(self.module_name))
 
     def revert(self) -> None:
         if self._saved is not _UNSET:
             self._entry().default = self._saved
-            _invalidate_caches(importlib.import_module(self.module_name), self.name)
+            invalidate_config_caches(importlib.import_module(self.module_name))
             self._saved = _UNSET
 
     def verify(self) -> None:
@@ -60,19 +62,10 @@ class ConfigDefault:
             raise ShapeError(f"{self.module_name}.{self.name} reads {seen} in a new thread, not {self.value!r}")
 
 
-def _invalidate_caches(module: types.ModuleType, name: str) -> None:
-    # Config modules cache their hash (part of compile cache keys) and their dict copies; an
-    # assignment marks those dirty, a default change does not, so mark them as an assignment would.
-    if hasattr(module, "_hash_dirty_var"):  # 2.12+: per-thread caches
-        module._hash_dirty_var.set(True)
-    elif hasattr(module, "_is_dirty"):
-        module._is_dirty = True
-    if hasattr(module, "_mark_get_dict_dirty"):
-        module._mark_get_dict_dirty(name)
-
-
 class KeywordDefault:
     """The default of a keyword-only parameter of a torch function (``__kwdefaults__``)."""
+
+    patched = True
 
     def __init__(self, module: str, function: str, parameter: str, value: object) -> None:
         self.module_name, self.function, self.parameter, self.value = module, function, parameter, value

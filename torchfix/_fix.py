@@ -18,6 +18,7 @@ class Patch(Protocol):
     """What every patch does: source patches (``_patch``) and default changes (``_defaults``)."""
 
     module_name: str
+    patched: bool  # after apply(): whether it changed anything (some have nothing to do in some releases)
 
     def apply(self) -> None: ...  # raises (and changes nothing) when torch is not the expected shape
 
@@ -92,7 +93,7 @@ class Fix:
         except Exception as exc:
             revert_all(applied)
             return self._status(State.UNSUPPORTED, f"{exc} (nothing was patched)"), []
-        return self._status(State.APPLIED, f"patched {', '.join(p.module_name for p in applied)}"), applied
+        return self._status(State.APPLIED, f"patched {', '.join(p.module_name for p in applied if p.patched)}"), applied
 
     def diff(self, read_source: Callable[[str], str]) -> str:
         """The fix's edits as a unified diff; ``read_source`` maps a path like "torch/fx/x.py" to text.
@@ -105,7 +106,12 @@ class Fix:
         for patch in self.patches():
             if not isinstance(patch, SourcePatch):
                 continue  # a default change: its header line says it all
-            source = read_source(patch.relpath)
+            try:
+                source = read_source(patch.relpath)
+            except OSError:
+                if patch.may_be_absent:
+                    continue
+                raise
             parts.append(unified_diff(patch.relpath, source, apply_edits(source, patch.edits(source))))
         return "".join(parts)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dis
 import importlib
+import importlib.util
 import os
 import symtable
 import threading
@@ -29,12 +30,26 @@ def read_source(module: types.ModuleType) -> str:
         return f.read()
 
 
+def source_without_import(name: str) -> str | None:
+    """The source of a module that may not be imported (or exist) yet; None where there is none."""
+    try:
+        spec = importlib.util.find_spec(name)  # imports the parent packages, not the module
+    except ImportError:
+        return None
+    if spec is None or not (spec.origin or "").endswith(".py"):
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        return f.read()
+
+
 class SourcePatch:
     """Edits of one torch module's functions, swapped in by ``__code__``.
 
     Subclasses say which edits (:meth:`edits`, a pure function of the file's text) and may set up module
     state the edited code needs (:meth:`_install_state` / :meth:`_remove_state`).
     """
+
+    may_be_absent = False  # whether some releases lack the file (then the patch has nothing to do there)
 
     def __init__(self, module: str, relpath: str) -> None:
         self.module_name = module
@@ -56,6 +71,10 @@ class SourcePatch:
         self._install_state(module)
         swap.apply()
         self._module, self._swap = module, swap
+
+    @property
+    def patched(self) -> bool:
+        return self._module is not None
 
     def revert(self) -> None:
         if self._swap is None:
@@ -137,11 +156,13 @@ class ThreadLocalGlobals(SourcePatch):
 
     * Functions of the module that read or write ``NAME`` (``LOAD_GLOBAL``/``STORE_GLOBAL``) are
       rewritten to use the attribute of a ``threading.local`` stored in the module as ``HOLDER``.
-    * Other modules that use ``module.NAME`` (``LOAD_ATTR``/``STORE_ATTR``) go through a property of
-      the same name on a ``ModuleType`` subclass that the module is switched to.
-    * ``NAME`` leaves the module dict, so any access we missed fails loudly instead of reading a
-      stale shared value; :meth:`verify` scans every code object of the module with ``dis`` to prove
-      none is left.
+    * ``NAME`` leaves the module dict. Reads of ``module.NAME`` from other modules reach a module
+      ``__getattr__`` (PEP 562) that returns the calling thread's value; torch's own writers from other
+      modules are rewritten by :class:`AttributeUses`. The module keeps its class: Dynamo checks
+      modules with ``type(m) is ModuleType`` in places (imports inside compiled code, torch <= 2.2's
+      variable builder), and a module subclass would break or graph-break those.
+    * :meth:`verify` scans every code object of the module with ``dis`` to prove no global access to
+      ``NAME`` is left, and checks the value is per-thread.
     """
 
     def __init__(
@@ -152,7 +173,7 @@ class ThreadLocalGlobals(SourcePatch):
         self.attrs = attrs  # global name -> attribute of the thread-local holder
         # Names some releases do not have yet (torch adds flags over time): moved where the file defines them.
         self.optional = optional
-        self._saved_class: type | None = None
+        self._saved_getattr: object = None
         self._moved: dict[str, str] = {}  # the attrs moved in the live module
 
     def _present(self, defined: object) -> dict[str, str]:
@@ -173,7 +194,7 @@ class ThreadLocalGlobals(SourcePatch):
         where = f" ({', '.join(sorted(self.optional))} only where the file defines them)" if self.optional else ""
         return (
             f"{self.relpath}: module globals moved to a threading.local ({moved}){where}; "
-            f"`{self.module_name}.<name>` from other modules goes through a property of the same name"
+            f"`{self.module_name}.<name>` read from other modules goes through a module __getattr__"
         )
 
     def _drop_declaration(self, source: str, decl: ast.Global, name: str) -> Edit:
@@ -192,13 +213,9 @@ class ThreadLocalGlobals(SourcePatch):
         if missing or self.holder in namespace:
             raise ShapeError(f"{module.__name__}: expected globals {missing} and no {self.holder}")
         defaults = {attr: namespace[name] for name, attr in moved.items()}
-        namespace[self.holder] = _thread_local_class(self.holder, defaults)()
-        self._saved_class = type(module)
-        module.__class__ = type(
-            "ModuleWithThreadLocals",
-            (type(module),),
-            {name: _holder_property(self.holder, attr) for name, attr in moved.items()},
-        )
+        holder = namespace[self.holder] = _thread_local_class(self.holder, defaults)()
+        self._saved_getattr = namespace.get("__getattr__")
+        namespace["__getattr__"] = _module_getattr(module.__name__, holder, moved, self._saved_getattr)
         for name in moved:
             del namespace[name]
         self._moved = moved
@@ -209,7 +226,10 @@ class ThreadLocalGlobals(SourcePatch):
         # The calling thread's values become the shared globals again.
         for name, attr in self._moved.items():
             namespace[name] = getattr(holder, attr)
-        module.__class__ = self._saved_class
+        if self._saved_getattr is None:
+            namespace.pop("__getattr__", None)
+        else:
+            namespace["__getattr__"] = self._saved_getattr
         self._moved = {}
 
     def verify(self) -> None:
@@ -230,14 +250,16 @@ class ThreadLocalGlobals(SourcePatch):
         self._verify_per_thread(module)
 
     def _verify_per_thread(self, module: types.ModuleType) -> None:
-        """Behaviour, not just bytecode: a value set through ``module.NAME`` in another thread stays there."""
+        """Behaviour, not just bytecode: a value set in another thread stays there, and ``module.NAME``
+        reads the calling thread's value."""
+        holder = vars(module)[self.holder]
         mine = {name: getattr(module, name) for name in self._moved}
         seen_elsewhere: dict[str, object] = {}
 
         def other_thread() -> None:
-            for name in self._moved:
-                setattr(module, name, not mine[name])
-                seen_elsewhere[name] = getattr(vars(module)[self.holder], self._moved[name])
+            for name, attr in self._moved.items():
+                setattr(holder, attr, not mine[name])
+                seen_elsewhere[name] = getattr(module, name)
 
         thread = threading.Thread(target=other_thread, name="torchfix-verify")
         thread.start()
@@ -248,14 +270,68 @@ class ThreadLocalGlobals(SourcePatch):
             raise ShapeError(f"{module.__name__}: {', '.join(self._moved)} did not behave per-thread after patching")
 
 
-def _holder_property(holder: str, attr: str) -> property:
-    def get(module: types.ModuleType) -> object:
-        return getattr(vars(module)[holder], attr)
+def _module_getattr(
+    module_name: str, holder: threading.local, moved: dict[str, str], previous: object
+) -> types.FunctionType:
+    def __getattr__(name: str) -> object:
+        attr = moved.get(name)
+        if attr is not None:
+            return getattr(holder, attr)
+        if previous is not None:
+            return previous(name)
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
 
-    def set_(module: types.ModuleType, value: object) -> None:
-        setattr(vars(module)[holder], attr, value)
+    return __getattr__
 
-    return property(get, set_)
+
+class AttributeUses(SourcePatch):
+    """Another module's ``target.NAME`` reads and writes, rewritten to ``target.HOLDER.ATTR``.
+
+    The companion of :class:`ThreadLocalGlobals` for the modules that write the moved names by module
+    attribute (``torch.fx._symbolic_trace._is_fx_tracing_flag = False``): a module ``__getattr__`` can
+    serve reads, but nothing serves writes. Optional: releases that lack the module, or whose module
+    does not use the names, get no edits.
+    """
+
+    may_be_absent = True
+
+    def __init__(self, module: str, relpath: str, target: str, holder: str, attrs: dict[str, str]) -> None:
+        super().__init__(module, relpath)
+        self.target, self.holder, self.attrs = target, holder, attrs
+
+    def describe(self) -> str:
+        return f"{self.relpath} (where it uses them): `{self.target}.<name>` -> `{self.target}.{self.holder}.<attr>`"
+
+    def edits(self, source: str) -> list[Edit]:
+        edits = []
+        for node in ast.walk(parse(source)):
+            if isinstance(node, ast.Attribute) and node.attr in self.attrs:
+                base = ast.get_source_segment(source, node.value)
+                if base != self.target:  # an alias we cannot follow: refuse rather than miss a write
+                    raise ShapeError(f"{self.relpath} line {node.lineno}: {base}.{node.attr} is not {self.target}")
+                edits.append(replace_node(node, f"{self.target}.{self.holder}.{self.attrs[node.attr]}"))
+        return edits
+
+    def apply(self) -> None:
+        # Import the module only where it needs edits: some are costly (torch.export._trace: 1.5 s).
+        source = source_without_import(self.module_name)
+        if source is not None and self.edits(source):
+            super().apply()
+
+    def verify(self) -> None:
+        if self._module is None:
+            return  # nothing to patch in this release
+        super().verify()
+        left = [
+            f"{code.co_name}: {ins.opname} {ins.argval}"
+            for func in live_functions(self._module)
+            for code in iter_code(func.__code__)
+            if not self.attrs.keys().isdisjoint(code.co_names)
+            for ins in dis.get_instructions(code)
+            if ins.opname in ("LOAD_ATTR", "STORE_ATTR") and ins.argval in self.attrs
+        ]
+        if left:
+            raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
 
 
 def nested_function(tree: ast.AST, path: list[str]) -> ast.FunctionDef:

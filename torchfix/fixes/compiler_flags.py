@@ -9,8 +9,9 @@ compile makes ``is_compiling()`` True in every other thread, and eager code ther
 hook handling, checkpointing, transformers) takes compile-only paths. All three are still globals in 2.15.
 
 The flags move to a ``threading.local`` (``torch.compiler._compiler_flags_tls``); the functions of
-``torch.compiler`` that use them are recompiled, and the writers in other modules
-(``torch.compiler._is_compiling_flag = True``) go through a module-class property. No release imports the
+``torch.compiler`` that use them are recompiled, the writers in other modules
+(``torch.compiler._is_compiling_flag = True``) are rewritten to the holder, and other readers
+(Dynamo's ``variables/torch.py`` from 2.12) reach a module ``__getattr__``. No release imports the
 flags by name (``from torch.compiler import _is_compiling_flag``): every outside use is a module attribute.
 Dynamo still constant-folds ``is_compiling()`` to True inside compiled code (it matches the function
 object, whose identity the ``__code__`` swap keeps).
@@ -39,7 +40,7 @@ import sys
 from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
-from .._patch import ThreadLocalGlobals
+from .._patch import AttributeUses, ThreadLocalGlobals
 
 MODULE = "torch.compiler"
 HOLDER = "_compiler_flags_tls"
@@ -50,9 +51,19 @@ FLAGS = {
 }
 
 
-def _patch() -> ThreadLocalGlobals:
+# Export sets the flags by module attribute: torch.export._trace in 2.3 - 2.6, torch._export.utils from 2.7.
+_WRITERS = (
+    ("torch.export._trace", "torch/export/_trace.py"),
+    ("torch._export.utils", "torch/_export/utils.py"),
+)
+
+
+def _patches() -> list:
     newer = frozenset(FLAGS) - {"_is_compiling_flag"}
-    return ThreadLocalGlobals(MODULE, "torch/compiler/__init__.py", HOLDER, FLAGS, optional=newer)
+    return [
+        ThreadLocalGlobals(MODULE, "torch/compiler/__init__.py", HOLDER, FLAGS, optional=newer),
+        *(AttributeUses(module, relpath, MODULE, HOLDER, FLAGS) for module, relpath in _WRITERS),
+    ]
 
 
 def _probe() -> str | None:
@@ -69,5 +80,5 @@ FIX = Fix(
     hazard="while one thread compiles or exports, torch.compiler.is_compiling() is True in every thread",
     versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
     probe=_probe,
-    patches=lambda: [_patch()],
+    patches=_patches,
 )

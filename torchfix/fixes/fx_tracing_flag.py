@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
-from .._patch import SourcePatch, ThreadLocalGlobals, nested_function
+from .._patch import AttributeUses, SourcePatch, ThreadLocalGlobals, nested_function
 from .._source import Edit, ShapeError, insert_at, parse
 
 MODULE = "torch.fx._symbolic_trace"
@@ -55,6 +55,11 @@ def _accessors(module: types.ModuleType) -> dict[str, object]:
     return {f.__name__: f for f in (_set_is_fx_tracing, _get_is_fx_tracing, _is_fx_tracing_context)}
 
 
+# Modules that write the flag as a module attribute: 2.3+, and 2.2.
+_WRITERS = (
+    ("torch._higher_order_ops.utils", "torch/_higher_order_ops/utils.py"),
+    ("torch._higher_order_ops.cond", "torch/_higher_order_ops/cond.py"),
+)
 _ACCESSORS = ("_get_is_fx_tracing", "_set_is_fx_tracing", "_is_fx_tracing_context")
 
 
@@ -143,5 +148,10 @@ FIX = Fix(
     hazard="one thread's FX trace (symbolic_trace, make_fx, AOTAutograd) breaks compiled calls in other threads",
     versions=SpecifierSet(">=2.0,<2.14", prereleases=True),
     probe=_probe,
-    patches=lambda: [_FlagPatch(), _CheckpointRecompute()],
+    patches=lambda: [
+        _FlagPatch(),
+        # _set_compilation_env (eager flex_attention, cond, while_loop, ...) saves, clears and restores it.
+        *(AttributeUses(module, relpath, MODULE, HOLDER, {FLAG: "flag"}) for module, relpath in _WRITERS),
+        _CheckpointRecompute(),
+    ],
 )
