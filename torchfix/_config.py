@@ -25,8 +25,8 @@ def config_is_per_thread() -> bool:
     """Whether this torch keeps config values per thread (2.12+)."""
     import torch._dynamo.config as dynamo_config
 
-    entry = next(iter(dynamo_config._config.values()))
-    return isinstance(entry.user_override, ContextVar)
+    entry = next(iter(getattr(dynamo_config, "_config", {None: None}).values()))
+    return isinstance(getattr(entry, "user_override", None), ContextVar)  # before 2.4 entries are plain values
 
 
 def propagate_config() -> list[str]:

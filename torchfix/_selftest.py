@@ -207,7 +207,7 @@ def h3_is_compiling_elsewhere(timeout: float = 60.0) -> Result | None:
     """
     import torch
 
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if is_compiling is None:
         return None
     with _HeldTrace("compile", timeout, probe=is_compiling) as held:
@@ -251,7 +251,7 @@ def h4_trace_patches_leak(action: str, timeout: float = 60.0) -> Result | None:
         elif action == "symbolic_trace":
             other = _HeldTrace("symbolic_trace_module", timeout).__enter__()
         else:
-            torch.cond(torch.tensor(True), torch.sin, torch.cos, (torch.ones(2),))
+            torch.cond(torch.tensor(True), lambda x: x.sin(), lambda x: x.cos(), (torch.ones(2),))  # 2.2: no builtins
     except Exception as exc:
         errors.append(f"main thread: {exc!r}")
     for trace in (held, other):  # A finishes first

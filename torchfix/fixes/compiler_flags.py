@@ -35,6 +35,7 @@ Where the value must follow a compile to another thread (what we found in torch 
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 from packaging.specifiers import SpecifierSet
@@ -67,6 +68,8 @@ def _patches() -> list:
 
 
 def _probe() -> str | None:
+    if importlib.util.find_spec(MODULE) is None:
+        return f"torch has no {MODULE} (before 2.1): no flags to share"
     module = sys.modules.get(MODULE) or __import__(MODULE, fromlist=["_"])
     if isinstance(vars(module).get("_is_compiling_flag"), bool):
         return None

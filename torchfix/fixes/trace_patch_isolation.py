@@ -35,6 +35,7 @@ import threading
 import types
 from collections.abc import Callable
 
+import wrapt
 from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
@@ -101,6 +102,10 @@ class ThreadPatches:
         def dispatch(*args: object, **kwargs: object) -> object:
             return (self._top(key) or slot.original)(*args, **kwargs)
 
+        # Where Dynamo traces a call to it (eager torch.cond compiles its branches while another thread
+        # traces), it inlines this instead, as it does for torch.compile's own wrappers: the original.
+        if isinstance(slot.original, types.FunctionType):
+            dispatch._torchdynamo_inline = slot.original
         return dispatch
 
     def unset(self, owner: dict | type, name: str) -> None:
@@ -131,6 +136,16 @@ class ThreadPatches:
     def items(self, frame_dict: dict) -> list[tuple[str, object]]:
         """``frame_dict.items()`` as the calling thread sees them (a list: the caller patches the dict)."""
         return [(name, self.current(frame_dict, name)) for name in list(frame_dict)]
+
+
+# Every dispatcher runs this code object. Dynamo must run it as plain Python, like the torch code it
+# stands in for: it cannot trace a threading.local, and would compile it as a frame of its own for each
+# module it forwards to (torch <= 2.2 runs compiled graphs through Module.__call__).
+_DISPATCH_CODE = next(c for c in ThreadPatches._dispatcher.__code__.co_consts if isinstance(c, types.CodeType))
+
+
+def _skip_in_dynamo(eval_frame: types.ModuleType) -> None:
+    eval_frame.skip_code(_DISPATCH_CODE)
 
 
 def _slot_write(source: str, stmt: ast.stmt) -> tuple[str, str, str | None] | None:
@@ -239,6 +254,8 @@ class _IsolationPatch(ThreadLocalGlobals):
             raise ShapeError(f"{MODULE} has a {HELPER} already")
         super()._install_state(module)
         vars(module)[HELPER] = ThreadPatches()
+        # When Dynamo is imported (now, if it is already); skipping a code object is harmless after uninstall.
+        wrapt.register_post_import_hook(_skip_in_dynamo, "torch._dynamo.eval_frame")
 
     def _remove_state(self, module: types.ModuleType) -> None:
         vars(module).pop(HELPER, None)
