@@ -17,7 +17,7 @@ import threading
 import types
 from collections.abc import Iterator
 
-from ._source import CodeSwap, Edit, ShapeError, iter_code, live_functions, parse, replace_node
+from ._source import CodeSwap, Edit, ShapeError, iter_code, live_functions, parse, replace_node, segment
 
 _GLOBAL_OPS = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"}
 
@@ -306,7 +306,7 @@ class AttributeUses(SourcePatch):
         edits = []
         for node in ast.walk(parse(source)):
             if isinstance(node, ast.Attribute) and node.attr in self.attrs:
-                base = ast.get_source_segment(source, node.value)
+                base = segment(source, node.value)
                 if base != self.target:  # an alias we cannot follow: refuse rather than miss a write
                     raise ShapeError(f"{self.relpath} line {node.lineno}: {base}.{node.attr} is not {self.target}")
                 edits.append(replace_node(node, f"{self.target}.{self.holder}.{self.attrs[node.attr]}"))

@@ -49,6 +49,21 @@ def parse(source: str) -> ast.Module:
     return ast.parse(source)
 
 
+@functools.lru_cache(maxsize=4)
+def _encoded_lines(source: str) -> list[bytes]:
+    return [line.encode() for line in source.splitlines(keepends=True)]
+
+
+def segment(source: str, node: ast.AST) -> str:
+    """The text of ``node``: ``ast.get_source_segment`` without re-splitting the file on every call."""
+    lines = _encoded_lines(source)
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first][node.col_offset : node.end_col_offset].decode()
+    text = lines[first][node.col_offset :] + b"".join(lines[first + 1 : last]) + lines[last][: node.end_col_offset]
+    return text.decode()
+
+
 def replace_node(node: ast.AST, text: str) -> Edit:
     """An edit that replaces a single-line node's text."""
     if node.lineno != node.end_lineno:

@@ -40,7 +40,7 @@ from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
 from .._patch import ThreadLocalGlobals
-from .._source import Edit, ShapeError, parse, replace_node
+from .._source import Edit, ShapeError, parse, replace_node, segment
 
 MODULE = "torch.fx._symbolic_trace"
 HELPER = "_thread_patches"
@@ -153,7 +153,7 @@ def _slot_write(source: str, stmt: ast.stmt) -> tuple[str, str, str | None] | No
     value None for ``del owner[name]``. None for any other statement."""
 
     def text(node: ast.AST) -> str:
-        return ast.get_source_segment(source, node)
+        return segment(source, node)
 
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Subscript):
         return text(stmt.targets[0].value), text(stmt.targets[0].slice), text(stmt.value)
@@ -243,7 +243,7 @@ class _IsolationPatch(ThreadLocalGlobals):
         items = [
             node
             for node in ast.walk(functions["_autowrap_check"])
-            if isinstance(node, ast.Call) and ast.get_source_segment(source, node) == "frame_dict.items()"
+            if isinstance(node, ast.Call) and segment(source, node) == "frame_dict.items()"
         ]
         if len(items) != 1:
             raise ShapeError("_autowrap_check: expected one frame_dict.items()")
