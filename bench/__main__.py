@@ -16,11 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", choices=[[], *BENCHMARKS], help="benchmarks to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     parser.add_argument("--out", default="bench/results", help="where to write <name>.json")
+    parser.add_argument("--device", default="cpu", help="device for coldstart (cpu, cuda:0, ...)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.names or list(BENCHMARKS):
-        result = BENCHMARKS[name].run(quick=args.quick)
+        options = {"device": args.device} if name == "coldstart" else {}
+        result = BENCHMARKS[name].run(quick=args.quick, **options)
         print(f"== {name}\n{BENCHMARKS[name].table(result)}")
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     return 0

@@ -37,10 +37,9 @@ def propagate_config() -> list[str]:
     Returns the settings propagated (``"torch._dynamo.config.recompile_limit"``, ...); on torch before
     2.12, where config is process-wide already, nothing is needed and it returns ``[]``.
     """
-    import torch.utils._config_module as config_module
-
     if not config_is_per_thread():
         return []
+    import torch.utils._config_module as config_module  # 2.1+
     propagated = []
     for module in list(sys.modules.values()):
         if not isinstance(module, config_module.ConfigModule):
