@@ -43,7 +43,8 @@ import json, torch, torchfix
 from torchfix import fixes
 from torchfix.__main__ import _installed_reader
 applied = {s.name for s in torchfix.status() if s.state.value == "applied"}
-print(json.dumps({fix.name: fix.diff(_installed_reader) for fix in fixes.ALL if fix.name in applied}))
+diffs = {fix.name: fix.diff(torch.__version__, _installed_reader) for fix in fixes.ALL if fix.name in applied}
+print(json.dumps(diffs))
 """).json()
     committed = {p.stem: p.read_text() for p in PATCHES.glob("*.diff")}
     assert ran == committed, "patches/ drifted from what torchfix applies: regenerate it (see README)"

@@ -86,7 +86,7 @@ def diff(source_root: str | None, torch_version: str | None, output_dir: str | N
     failed = 0
     for fix in wanted:
         try:
-            text = fix.diff(read)
+            text = fix.diff(torch_version, read)
         except (ShapeError, OSError) as exc:
             print(f"# {fix.name}: cannot build the diff for torch {torch_version}: {exc}", file=sys.stderr)
             failed += 1

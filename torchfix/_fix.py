@@ -61,7 +61,7 @@ class Fix:
     hazard: str  # one line: what goes wrong without the fix
     versions: SpecifierSet  # the torch releases whose source the patches were written against
     probe: Callable[[], str | None]
-    patches: Callable[[], list[Patch]]  # fresh patch objects (they hold their undo state)
+    patches: Callable[[str], list[Patch]]  # torch version -> fresh patch objects (they hold their undo state)
 
     def supports(self, torch_version: str) -> bool:
         try:
@@ -85,7 +85,7 @@ class Fix:
             ), []
         applied: list[Patch] = []
         try:
-            for patch in self.patches():
+            for patch in self.patches(torch_version):
                 patch.apply()
                 applied.append(patch)
             for patch in applied:
@@ -95,15 +95,17 @@ class Fix:
             return self._status(State.UNSUPPORTED, f"{exc} (nothing was patched)"), []
         return self._status(State.APPLIED, f"patched {', '.join(p.module_name for p in applied if p.patched)}"), applied
 
-    def diff(self, read_source: Callable[[str], str]) -> str:
-        """The fix's edits as a unified diff; ``read_source`` maps a path like "torch/fx/x.py" to text.
+    def diff(self, torch_version: str, read_source: Callable[[str], str]) -> str:
+        """The fix's edits to a torch release as a unified diff; ``read_source`` maps a path like
+        "torch/fx/x.py" to that release's text.
 
         Raises ShapeError where the source is not the shape the fix expects.
         """
         parts = [f"# torchfix fix {self.name}: {self.hazard}\n"]
-        for patch in self.patches():
+        patches = self.patches(torch_version)
+        for patch in patches:
             parts.append(f"# {patch.describe()}\n")
-        for patch in self.patches():
+        for patch in patches:
             if not isinstance(patch, SourcePatch):
                 continue  # a default change: its header line says it all
             try:

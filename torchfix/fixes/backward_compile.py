@@ -52,8 +52,8 @@ def _probe() -> str | None:
     return None
 
 
-def _patches() -> list:
-    if _config_entry() is not None:
+def _patches(torch_version: str) -> list:
+    if Version(torch_version).release >= (2, 10):
         return [ConfigDefault(CONFIG, SWITCH, True)]
     return [KeywordDefault(AOT, KEYWORD_FUNCTION, SWITCH, True)]
 

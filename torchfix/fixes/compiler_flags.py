@@ -59,7 +59,7 @@ _WRITERS = (
 )
 
 
-def _patches() -> list:
+def _patches(_torch_version: str) -> list:
     newer = frozenset(FLAGS) - {"_is_compiling_flag"}
     return [
         ThreadLocalGlobals(MODULE, "torch/compiler/__init__.py", HOLDER, FLAGS, optional=newer),

@@ -148,7 +148,7 @@ FIX = Fix(
     hazard="one thread's FX trace (symbolic_trace, make_fx, AOTAutograd) breaks compiled calls in other threads",
     versions=SpecifierSet(">=2.0,<2.14", prereleases=True),
     probe=_probe,
-    patches=lambda: [
+    patches=lambda _torch_version: [
         _FlagPatch(),
         # _set_compilation_env (eager flex_attention, cond, while_loop, ...) saves, clears and restores it.
         *(AttributeUses(module, relpath, MODULE, HOLDER, {FLAG: "flag"}) for module, relpath in _WRITERS),

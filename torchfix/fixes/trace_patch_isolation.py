@@ -276,5 +276,5 @@ FIX = Fix(
     hazard="an FX trace in one thread patches nn.Module.__call__/__getattr__ and wrapped functions for every thread",
     versions=SpecifierSet(">=2.0,<2.16", prereleases=True),
     probe=_probe,
-    patches=lambda: [_IsolationPatch()],
+    patches=lambda _torch_version: [_IsolationPatch()],
 )
