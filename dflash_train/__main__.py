@@ -1,0 +1,64 @@
+"""``python -m dflash_train`` / ``dflash-train``: the command line of the trainer.
+
+The order matters: parse the flags without importing torch, honour ``--no-torchfix`` by setting
+``TORCHFIX_DISABLE=1``, then ``import torchfix`` (the one line that makes threaded compilation safe),
+and only then import torch and the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .config import ConfigError, TrainConfig, build_parser, make_config, read_config_file
+
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    if args.pop("no_torchfix", False):
+        os.environ["TORCHFIX_DISABLE"] = "1"
+    # Several Python threads drive their own OpenMP teams on the CPU; spinning OpenMP threads then
+    # starve each other (and any other process), making steps up to 10x slower. Read at torch import.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    config_file = args.pop("config", None)
+
+    import torchfix  # noqa: F401  (the whole answer to threads + torch.compile; see README)
+
+    from .train import train
+    from .workers import WorkerFailed
+
+    try:
+        cfg = TrainConfig()
+        if config_file is not None:
+            cfg = make_config(cfg, read_config_file(config_file), config_file)
+        cfg = make_config(cfg, args, "command line").resolved()
+        result = train(cfg)
+    except ConfigError as e:
+        parser.exit(EXIT_USAGE, f"dflash-train: error: {e}\n")
+    except WorkerFailed as e:
+        print(f"dflash-train: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("dflash-train: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if result.interrupted:
+        print(
+            f"dflash-train: interrupted at step {result.steps_done}; checkpoint saved in {result.out_dir}. "
+            "Continue with --resume.",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    line = f"done: {result.steps_done} steps in {result.wall_s:.0f} s"
+    if result.tokens_per_s:
+        line += f", {result.tokens_per_s:,.0f} tokens/s"
+    if result.tau_before is not None and result.tau_after is not None:
+        line += f"; tau {result.tau_before:.2f} -> {result.tau_after:.2f}"
+    print(f"{line}. Outputs in {result.out_dir}: metrics.jsonl, plot.png, checkpoint.safetensors", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""What one optimizer step trains on, and how it is split across the drafter replicas."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .data import batch_for_step, step_generator
+from .loss import block_targets
+from .masks import sample_anchors
+
+
+@dataclass
+class StepBatch:
+    step: int
+    input_ids: torch.Tensor  # [B, S]
+    anchors: torch.Tensor  # [B, N]
+    keep: torch.Tensor  # [B, N], False for padding blocks
+    labels: torch.Tensor  # [B, N, bs]
+    weights: torch.Tensor  # [B, N, bs]
+    # Divides the replica's weighted loss sum: the step's total weight / number of shards, so that the
+    # *average* of the replicas' gradients is the gradient of the step's weighted mean loss, however
+    # unevenly the valid blocks fall across shards.
+    loss_norm: float
+    features: torch.Tensor | None = None  # [B, S, k * D], filled in by a target worker
+
+    def split(self, n: int) -> list[StepBatch]:
+        """``n`` shards along the batch dimension (the batch size is a multiple of ``n``)."""
+        fields = ("input_ids", "anchors", "keep", "labels", "weights", "features")
+        parts = {f: getattr(self, f).chunk(n) if getattr(self, f) is not None else [None] * n for f in fields}
+        return [
+            dataclasses.replace(self, loss_norm=self.loss_norm / n, **{f: parts[f][i] for f in fields})
+            for i in range(n)
+        ]
+
+    def to(self, device: torch.device) -> StepBatch:
+        # Blocking copies: the target thread may reuse its memory as soon as the shard is queued.
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
+
+
+def make_step_batch(
+    tokens: torch.Tensor,
+    step: int,
+    *,
+    batch_size: int,
+    seq_len: int,
+    num_anchors: int,
+    block_size: int,
+    gamma: float,
+    seed: int,
+) -> StepBatch:
+    """The step's sequences and freshly sampled anchors: a pure function of (seed, step)."""
+    input_ids = batch_for_step(tokens, step, batch_size, seq_len, seed)
+    anchors, keep = sample_anchors(batch_size, seq_len, num_anchors, step_generator(seed, step, stream=1))
+    labels, weights = block_targets(input_ids, anchors, keep, block_size, gamma)
+    return StepBatch(step, input_ids, anchors, keep, labels, weights, loss_norm=float(weights.sum()))

@@ -1,0 +1,285 @@
+"""The trainer's configuration: one dataclass, its command line, and optional TOML/YAML files.
+
+This module must not import torch: ``__main__`` parses the command line with it *before* torch is
+imported, so that ``--no-torchfix`` can still switch the shim off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# --fault: (raise|hang)@(target|drafter):STEP
+FAULT_SPEC = re.compile(r"^(raise|hang)@(target|drafter):(\d+)$")
+
+
+class ConfigError(Exception):
+    """A user mistake (bad flag value, missing file, incompatible checkpoint): one clear message."""
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainConfig:
+    target: str = _opt(
+        "tiny",
+        "target model: 'tiny' (a byte-level Qwen3 trained here on Python's standard library, cached) "
+        "or the local path of a Hugging Face causal LM (model + tokenizer; nothing is downloaded)",
+        metavar="PATH",
+    )
+    tiny_target_steps: int = _opt(
+        300, "training steps of the tiny target (first run only; 0 keeps it randomly initialised)"
+    )
+    data: str = _opt(
+        "stdlib",
+        "training text: 'stdlib' (this Python's standard-library sources) or a local text file / "
+        "directory of text files",
+        metavar="PATH",
+    )
+    regenerate: int = _opt(
+        256,
+        "train on this many greedy continuations written by the target from prompts of the text (the "
+        "DFlash recipe: the drafter learns what the target writes); generated once and cached. 0: train on "
+        "the text itself",
+    )
+    cache_dir: str = _opt(
+        str(Path.home() / ".cache" / "dflash_train"),
+        "where the tiny target and regenerated data are cached (reruns skip making them)",
+        metavar="PATH",
+    )
+    out_dir: str = _opt("runs/dflash", "output folder: metrics.jsonl, plot.png, checkpoint.safetensors", metavar="PATH")
+    target_devices: str = _opt(
+        "cpu", "devices of the target workers, one thread each: 'cpu', 'cuda:0,cuda:1'", metavar="DEVICES"
+    )
+    drafter_devices: str = _opt(
+        "cpu", "devices of the drafter replicas: 'cpu', 'cuda:0', 'cuda:0,cuda:1'", metavar="DEVICES"
+    )
+    drafter_threads_per_device: int = _opt(2, "drafter threads (data-parallel replicas) per drafter device")
+    queue_size: int = _opt(4, "bound of each drafter's queue of target hidden states (backpressure)")
+    drafter_layers: int = _opt(2, "decoder layers of the DFlash drafter (also the number of tapped target layers)")
+    block_size: int = _opt(0, "tokens per draft block (anchor + mask tokens); 0: 8 for the tiny target, else 16")
+    loss_gamma: float = _opt(0.0, "decay of the loss weight exp(-(k-1)/gamma); 0: 7 for block 16, 4 for block 8")
+    num_anchors: int = _opt(16, "anchors (draft blocks) sampled per sequence and step")
+    seq_len: int = _opt(256, "tokens per training sequence")
+    batch_size: int = _opt(8, "sequences per step, split across all drafter threads")
+    loss_chunk: int = _opt(8, "draft blocks per checkpointed chunk of the loss (full logits never exist at once)")
+    steps: int = _opt(150, "optimizer steps of the drafter")
+    lr: float = _opt(3e-3, "peak learning rate (AdamW)")
+    warmup_steps: int = _opt(15, "linear warm-up steps before the cosine decay")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of the peak")
+    weight_decay: float = _opt(0.01, "AdamW weight decay")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)")
+    seed: int = _opt(0, "seed of initialisation, data order and anchor sampling")
+    compile: bool = _opt(
+        True,
+        "torch.compile: on CUDA flex_attention + create_block_mask, on CPU the drafter layers (dense mask + "
+        "SDPA); --no-compile: dense mask + SDPA, eager, everywhere",
+    )
+    backend: str = _opt(
+        "inductor",
+        "torch.compile backend of the drafter layers on CPU ('inductor', 'aot_eager', 'eager'); on CUDA, flex "
+        "attention and its block mask are always compiled with inductor",
+        metavar="NAME",
+    )
+    eval_prompts: int = _opt(8, "held-out prompts for the acceptance length tau (0: skip evaluation)")
+    eval_prompt_len: int = _opt(64, "tokens per evaluation prompt")
+    eval_new_tokens: int = _opt(96, "tokens generated per evaluation prompt")
+    save_every: int = _opt(50, "save a checkpoint every N steps (0: only at the end)")
+    stop_after: int = _opt(0, "stop (with a checkpoint) after N steps of this run, keeping the schedule (0: off)")
+    resume: bool = _opt(
+        False,
+        "continue from <out-dir>/checkpoint.safetensors at its step, with its optimizer state (give the same "
+        "settings as the first run)",
+    )
+    watchdog_timeout: float = _opt(
+        300.0, "seconds without progress before every thread's stack is printed and the job exits (0: off)"
+    )
+    progress: bool = _opt(True, "show a progress bar")
+    fault: str = _opt(
+        "",
+        "testing the error paths: make a worker fail at a step, 'raise@drafter:STEP', 'hang@target:STEP' "
+        "(raise|hang @ drafter|target); '': none",
+        metavar="SPEC",
+    )
+
+    # Fields that decide the drafter's shapes and what its weights mean: a checkpoint is only
+    # compatible with a config that agrees on all of them.
+    MODEL_FIELDS = ("target", "drafter_layers", "block_size")
+
+    def resolved(self) -> TrainConfig:
+        """Fill the automatic values (block size, gamma) and check ranges; raise ConfigError."""
+        cfg = dataclasses.replace(self)
+        if cfg.block_size == 0:
+            cfg.block_size = 8 if cfg.target == "tiny" else 16
+        if cfg.loss_gamma == 0:
+            # The DFlash recipe: gamma 7 for block 16, 4 for block 8; linear in between and beyond.
+            cfg.loss_gamma = max(1.0, 4.0 + 3.0 * (cfg.block_size - 8) / 8)
+        positive = (
+            "drafter_layers",
+            "drafter_threads_per_device",
+            "queue_size",
+            "num_anchors",
+            "seq_len",
+            "batch_size",
+            "loss_chunk",
+            "steps",
+        )
+        for name in positive:
+            if getattr(cfg, name) < 1:
+                raise ConfigError(f"--{_flag(name)} must be at least 1 (got {getattr(cfg, name)})")
+        nonneg = (
+            "tiny_target_steps",
+            "regenerate",
+            "warmup_steps",
+            "eval_prompts",
+            "save_every",
+            "stop_after",
+            "grad_clip",
+            "watchdog_timeout",
+            "weight_decay",
+        )
+        for name in nonneg:
+            if getattr(cfg, name) < 0:
+                raise ConfigError(f"--{_flag(name)} must not be negative (got {getattr(cfg, name)})")
+        if cfg.block_size < 2:
+            raise ConfigError(f"--block-size must be at least 2 (got {cfg.block_size})")
+        if cfg.seq_len < cfg.block_size + 1:
+            raise ConfigError(f"--seq-len ({cfg.seq_len}) must exceed --block-size ({cfg.block_size})")
+        if not 0 <= cfg.min_lr_ratio <= 1 or cfg.lr <= 0:
+            raise ConfigError("--lr must be positive and --min-lr-ratio in [0, 1]")
+        parse_devices(cfg.target_devices, "--target-devices")
+        if cfg.fault and not FAULT_SPEC.match(cfg.fault):
+            raise ConfigError(f"--fault {cfg.fault!r}: use 'raise@drafter:STEP', 'hang@target:STEP', ...")
+        if cfg.batch_size % cfg.drafter_thread_count() != 0:
+            raise ConfigError(
+                f"--batch-size ({cfg.batch_size}) must be divisible by the number of drafter threads "
+                f"({cfg.drafter_thread_count()} = devices x --drafter-threads-per-device)"
+            )
+        return cfg
+
+    def drafter_thread_count(self) -> int:
+        return len(parse_devices(self.drafter_devices, "--drafter-devices")) * self.drafter_threads_per_device
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def parse_devices(spec: str, flag: str) -> list[str]:
+    """'cpu' / 'cuda:0,cuda:1' -> ['cuda:0', 'cuda:1']; only the syntax is checked here (no torch)."""
+    devices = [d.strip() for d in spec.split(",") if d.strip()]
+    if not devices:
+        raise ConfigError(f"{flag} is empty")
+    for d in devices:
+        kind, _, index = d.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+            raise ConfigError(f"{flag}: '{d}' is not a device (use 'cpu', 'cuda' or 'cuda:N')")
+    return devices
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _fields() -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(TrainConfig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one flag per config field, plus --config and --no-torchfix.
+
+    Defaults are suppressed so that the namespace holds only the flags actually given: they
+    override the config file, which overrides the defaults.
+    """
+    parser = argparse.ArgumentParser(
+        prog="dflash-train",
+        description="Train a DFlash (block-diffusion speculative decoding) drafter for a causal LM, with one "
+        "Python thread per drafter replica fed by target-model threads. With no flags: a ~5 minute CPU demo.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--config", metavar="PATH", help="TOML or YAML file of settings (keys as the flags, '-' or '_')"
+    )
+    parser.add_argument(
+        "--no-torchfix",
+        action="store_true",
+        help="run without the torchfix shim (same as TORCHFIX_DISABLE=1), to see what it prevents",
+    )
+    group = parser
+    for f in _fields():
+        if f.name in SECTIONS:
+            group = parser.add_argument_group(SECTIONS[f.name])
+        kwargs: dict[str, Any] = {"help": f"{f.metadata['help']} (default: {f.default!r})"}
+        if f.type == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = {"int": int, "float": float, "str": str}[f.type]
+            kwargs["metavar"] = f.metadata.get("metavar", {"int": "N", "float": "X", "str": "STR"}[f.type])
+        group.add_argument(f"--{_flag(f.name)}", dest=f.name, **kwargs)
+    return parser
+
+
+# --help groups the flags; each section starts at the named field.
+SECTIONS = {
+    "target": "target model and data",
+    "target_devices": "devices and threads",
+    "drafter_layers": "drafter and loss",
+    "steps": "optimisation",
+    "compile": "compilation",
+    "eval_prompts": "evaluation (acceptance length tau)",
+    "save_every": "run control",
+}
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Settings from a .toml / .yaml / .yml file, keys as field names (dashes allowed)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        if p.suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
+            data = tomllib.loads(p.read_text())
+        elif p.suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ModuleNotFoundError as e:
+                raise ConfigError("YAML config files need PyYAML (pip install pyyaml); or use TOML") from e
+            data = yaml.safe_load(p.read_text()) or {}
+        else:
+            raise ConfigError(f"config file {path}: use a .toml, .yaml or .yml file")
+    except ConfigError:
+        raise
+    except Exception as e:  # the parsers' own errors carry line numbers
+        raise ConfigError(f"config file {path} is not valid: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table of settings")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def make_config(base: TrainConfig, overrides: dict[str, Any], source: str) -> TrainConfig:
+    """``base`` with ``overrides`` applied; unknown keys and wrongly typed values raise ConfigError."""
+    known = {f.name: f for f in _fields()}
+    values = {}
+    for key, value in overrides.items():
+        if key not in known:
+            raise ConfigError(f"{source}: unknown setting '{key}'")
+        want = {"int": int, "float": float, "str": str, "bool": bool}[known[key].type]
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ConfigError(f"{source}: '{key}' must be {want.__name__}, got {value!r}")
+        values[key] = value
+    return dataclasses.replace(base, **values)

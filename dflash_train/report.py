@@ -1,0 +1,60 @@
+"""Outputs for people: metrics.jsonl (one JSON object per line) and a PNG plot of loss and tau."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Appends records to ``metrics.jsonl``. Every record has a ``type`` (train, eval or summary) and
+    ``elapsed_s``, the seconds since this run started."""
+
+    def __init__(self, path: Path, *, append: bool, started: float):
+        self.path = path
+        self.started = started
+        self._file = path.open("a" if append else "w")
+
+    def write(self, record_type: str, **fields: Any) -> None:
+        elapsed = round(time.monotonic() - self.started, 3)
+        self._file.write(json.dumps({"type": record_type, **fields, "elapsed_s": elapsed}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(metrics: Path, png: Path) -> None:
+    """Loss and accuracy per step (left), tau at each evaluation (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; safe outside the main thread
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics)
+    train = [r for r in records if r["type"] == "train"]
+    evals = [r for r in records if r["type"] == "eval"]
+    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="loss", color="tab:blue")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("decayed CE loss")
+    ax_loss.set_title("drafter training")
+    ax_acc = ax_loss.twinx()
+    ax_acc.plot([r["step"] for r in train], [r["acc"] for r in train], color="tab:orange", alpha=0.6)
+    ax_acc.set_ylabel("draft token accuracy", color="tab:orange")
+    ax_tau.plot([r["step"] for r in evals], [r["tau"] for r in evals], "o-", color="tab:green")
+    for r in evals:
+        ax_tau.annotate(f"{r['tau']:.2f}", (r["step"], r["tau"]), textcoords="offset points", xytext=(0, 6))
+    ax_tau.set_xlabel("step")
+    ax_tau.set_ylabel("acceptance length tau")
+    ax_tau.set_title("tau (greedy block verification)")
+    ax_tau.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,253 @@
+"""The frozen target model: a local Hugging Face causal LM, or a tiny byte-level Qwen3 trained here.
+
+The target workers only need one thing from it: the hidden states of the tapped layers,
+concatenated (DFlash's context feature). Evaluation also needs its logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.utils import logging as hf_logging
+
+from .config import ConfigError, TrainConfig
+from .data import ByteTokenizer, Corpus, HFTokenizer, Tokenizer, batch_for_step
+
+# Loading and saving print their own progress bars; ours (target training, drafter steps) say more.
+hf_logging.disable_progress_bar()
+
+
+def tap_layer_ids(num_target_layers: int, num_drafter_layers: int) -> list[int]:
+    """The DFlash layer-selection rule: one tapped target layer per drafter layer, evenly spaced
+    from layer 1 to layer L-3 (the last layers are too specialised to the next token); a single
+    drafter layer taps the middle layer."""
+    if num_drafter_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(1, num_target_layers - 3)
+    return [round(start + i * (end - start) / (num_drafter_layers - 1)) for i in range(num_drafter_layers)]
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPU (weights of the frozen target, autocast of the drafter), fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class Target:
+    """A frozen causal LM on one device."""
+
+    def __init__(self, model: PreTrainedModel, tap_ids: list[int]):
+        self.model = model.eval().requires_grad_(False)
+        self.device = next(model.parameters()).device
+        self.tap_ids = tap_ids
+        n_layers = model.config.num_hidden_layers
+        if max(tap_ids) >= n_layers:
+            raise ConfigError(f"tapped layers {tap_ids} do not exist in a {n_layers}-layer target")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    def input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def output_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def _taps(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1].
+        return torch.cat([hidden_states[i + 1] for i in self.tap_ids], dim=-1)
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] -> the concatenated tapped hidden states, [B, S, k * hidden]. Skips the LM head."""
+        out = self.model.base_model(input_ids.to(self.device), output_hidden_states=True)
+        return self._taps(out.hidden_states)
+
+    @torch.no_grad()
+    def logits_and_features(self, input_ids: torch.Tensor, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the ``last`` positions [B, last, V] and the features of all positions."""
+        out = self.model(input_ids.to(self.device), output_hidden_states=True, logits_to_keep=last)
+        return out.logits.float(), self._taps(out.hidden_states)
+
+
+# --- the tiny byte-level target -------------------------------------------------------------------
+
+# Small enough to learn the shape of Python source in a couple of minutes on two CPU cores; five
+# layers so that a two-layer drafter taps two distinct layers (1 and 2).
+TINY_QWEN3 = dict(
+    vocab_size=ByteTokenizer.vocab_size,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+TINY_RECIPE = dict(batch_size=32, seq_len=128, lr=1e-2, warmup=20, min_lr_ratio=0.1, weight_decay=0.01)
+
+
+def _tiny_target_dir(cfg: TrainConfig, corpus: Corpus) -> Path:
+    key = json.dumps(
+        dict(
+            model=TINY_QWEN3,
+            recipe=TINY_RECIPE,
+            steps=cfg.tiny_target_steps,
+            seed=cfg.seed,
+            data=cfg.data,
+            tokens=len(corpus.train),
+            python=sys.version_info[:2],
+        ),
+        sort_keys=True,
+    )
+    return Path(cfg.cache_dir).expanduser() / f"tiny-target-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def train_tiny_target(cfg: TrainConfig, corpus: Corpus, device: torch.device, out: Path) -> None:
+    """Train the tiny target as an ordinary causal LM, and save it where the cache expects it."""
+    r = TINY_RECIPE
+    torch.manual_seed(cfg.seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=r["lr"], betas=(0.9, 0.95), weight_decay=r["weight_decay"])
+    steps = cfg.tiny_target_steps
+    bar = tqdm(range(steps), desc="tiny target", disable=not cfg.progress or steps == 0, dynamic_ncols=True)
+    loss_ema = None
+    for step in bar:
+        progress = max(0, step - r["warmup"]) / max(1, steps - r["warmup"])
+        scale = min(1.0, (step + 1) / r["warmup"]) * (
+            r["min_lr_ratio"] + (1 - r["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * progress))
+        )
+        for group in opt.param_groups:
+            group["lr"] = r["lr"] * scale
+        x = batch_for_step(corpus.train, step, r["batch_size"], r["seq_len"], seed=cfg.seed + 7919).to(device)
+        loss = model(x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        bar.set_postfix(bits_per_byte=f"{loss_ema / math.log(2):.2f}")
+    # Show that it learnt something: a sampled continuation (greedy decoding of so small a model loops).
+    torch.manual_seed(cfg.seed)
+    prompt = torch.tensor([ByteTokenizer().encode("def ")], device=device)
+    sample = model.generate(
+        prompt,
+        generation_config=GenerationConfig(max_new_tokens=120, do_sample=True, temperature=0.7, top_k=0, top_p=1.0),
+    )
+    bits = (loss_ema or 0) / math.log(2)
+    print(f"tiny target: {bits:.2f} bits/byte; a sample: {ByteTokenizer().decode(sample[0].tolist())!r}")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    (tmp / "dflash_train.json").write_text(json.dumps({"steps": steps, "final_loss": loss_ema}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def prepare_target(cfg: TrainConfig, device: torch.device) -> tuple[str, Tokenizer, Corpus]:
+    """The target's local folder, its tokenizer, and the training text tokenised with it.
+
+    For 'tiny' the folder is in the cache, trained first (on ``device``) if it is not there yet:
+    it learns from the same text the drafter is then trained on.
+    """
+    if cfg.target == "tiny":
+        tokenizer: Tokenizer = ByteTokenizer()
+        corpus = Corpus.load(cfg.data, tokenizer)
+        path = _tiny_target_dir(cfg, corpus)
+        if not (path / "config.json").is_file():
+            print(f"training the tiny target ({cfg.tiny_target_steps} steps), cached in {path}", flush=True)
+            train_tiny_target(cfg, corpus, device, path)
+        return str(path), tokenizer, corpus
+    if not (Path(cfg.target) / "config.json").is_file():
+        raise ConfigError(f"--target {cfg.target}: not a local Hugging Face model folder (no config.json)")
+    rows = AutoConfig.from_pretrained(cfg.target, local_files_only=True).vocab_size
+    tokenizer = HFTokenizer(cfg.target, rows)
+    return cfg.target, tokenizer, Corpus.load(cfg.data, tokenizer)
+
+
+# --- training data written by the target ------------------------------------------------------------
+
+REGEN_BATCH = 64
+
+
+def _fingerprint(path: str) -> list:
+    """Names, sizes and mtimes of a model folder's files: changes when its weights do."""
+    files = sorted(p for p in Path(path).iterdir() if p.is_file())
+    return [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]
+
+
+def regenerate(cfg: TrainConfig, target: Target, target_path: str, corpus: Corpus, eos_token_id: int) -> torch.Tensor:
+    """The DFlash recipe's training data: the target's own greedy continuations of prompts from the text.
+
+    A draft token is accepted when it is what the target would have written, so the drafter should learn
+    what the target writes, not what the text says. ``cfg.regenerate`` sequences of ``seq_len`` tokens
+    (a quarter prompt, the rest generated), each followed by EOS, as one token stream. Generated once
+    per (target, text, sizes) and cached.
+    """
+    prompt_len = cfg.seq_len // 4
+    new_tokens = cfg.seq_len - prompt_len
+    key = json.dumps(
+        dict(
+            target=_fingerprint(target_path),
+            data=cfg.data,
+            text_tokens=len(corpus.train),
+            n=cfg.regenerate,
+            seq_len=cfg.seq_len,
+            seed=cfg.seed,
+        ),
+        sort_keys=True,
+    )
+    cached = (
+        Path(cfg.cache_dir).expanduser() / f"regenerated-{hashlib.sha256(key.encode()).hexdigest()[:12]}.safetensors"
+    )
+    if cached.is_file():
+        return load_file(cached)["tokens"]
+    generation = GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+    )
+    sequences = []
+    batches = range(0, cfg.regenerate, REGEN_BATCH)
+    for i in tqdm(batches, desc="regenerating data", disable=not cfg.progress, dynamic_ncols=True):
+        size = min(REGEN_BATCH, cfg.regenerate - i)
+        prompts = batch_for_step(corpus.train, i, size, prompt_len, seed=cfg.seed + 104729).to(target.device)
+        with torch.no_grad():
+            out = target.model.generate(prompts, generation_config=generation).cpu()
+        sequences.append(torch.cat([out, torch.full((size, 1), eos_token_id)], dim=1).flatten())
+    tokens = torch.cat(sequences)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    save_file({"tokens": tokens}, str(tmp))
+    os.replace(tmp, cached)
+    return tokens
+
+
+def load_target(path: str, device: torch.device, num_drafter_layers: int) -> Target:
+    """Load a causal LM from a local folder onto ``device``, frozen, in bf16 on GPU."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype(device), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--target {path}: cannot load the model: {e}") from e
+    model.to(device)
+    return Target(model, tap_layer_ids(model.config.num_hidden_layers, num_drafter_layers))

@@ -1,0 +1,296 @@
+"""The training job: set up target, drafter replicas and threads, measure tau, train, measure again.
+
+``train(config)`` is the whole job and can be driven from Python (benchmarks use it with tiny sizes);
+``python -m dflash_train`` is a command line around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import queue
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import torchfix  # noqa: F401  (makes torch's compile state thread-local: threads may compile concurrently)
+
+from .batch import make_step_batch
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import ConfigError, TrainConfig, parse_devices
+from .data import eval_prompts
+from .evaluate import acceptance_length, show_blocks
+from .model import Drafter, drafter_config, make_replicas
+from .report import MetricsLog, plot_metrics
+from .target import Target, load_target, prepare_target, regenerate
+from .workers import Job, StepSync, Turnstile, Watchdog, drafter_worker, target_worker
+
+
+@dataclass
+class TrainResult:
+    steps_done: int  # optimizer steps done in total (including those before a resume)
+    tau_before: float | None
+    tau_after: float | None
+    final_loss: float | None
+    tokens_per_s: float | None  # context tokens through target and drafter, after the first (compiling) step
+    wall_s: float
+    interrupted: bool  # stopped by Ctrl-C (a checkpoint was saved)
+    out_dir: Path
+    drafters: list[Drafter]  # the trained replicas, identical: drafters[0] speaks for all
+
+
+def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    return lr_at
+
+
+def resolve_devices(spec: str, flag: str) -> list[torch.device]:
+    devices = []
+    for name in parse_devices(spec, flag):
+        device = torch.device(name)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"{flag}: {name} asked for, but CUDA is not available here")
+            index = torch.cuda.current_device() if device.index is None else device.index
+            if index >= torch.cuda.device_count():
+                raise ConfigError(f"{flag}: {name} does not exist ({torch.cuda.device_count()} CUDA devices)")
+            device = torch.device("cuda", index)
+        devices.append(device)
+    return devices
+
+
+@contextlib.contextmanager
+def cpu_thread_budget(cpu_workers: int) -> Iterator[None]:
+    """Share the cores among the worker threads that compute on the CPU.
+
+    torch's intra-op thread count is process-wide: with its default (all cores) in each of several
+    worker threads, OpenMP teams oversubscribe the cores and spin waiting for each other."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cpu_workers > 1:
+        torch.set_num_threads(max(1, cores // cpu_workers))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def frozen_heads(targets: list[Target], devices: set[torch.device]) -> dict[torch.device, tuple]:
+    """The target's (embedding, LM head) on each drafter device: the target's own modules where a
+    target lives on that device, else one copy per device shared by all replicas there."""
+    heads = {}
+    for device in devices:
+        local = next((t for t in targets if t.device == device), None)
+        if local is not None:
+            heads[device] = (local.input_embeddings(), local.output_head())
+        else:
+            pair = copy.deepcopy((targets[0].input_embeddings(), targets[0].output_head()))  # keeps ties
+            heads[device] = tuple(m.to(device) for m in pair)
+    return heads
+
+
+def train(config: TrainConfig) -> TrainResult:
+    started = time.monotonic()
+    cfg = config.resolved()
+    out = Path(cfg.out_dir)
+    ckpt = out / "checkpoint.safetensors"
+    if cfg.resume and not ckpt.is_file():
+        raise ConfigError(f"--resume: there is no checkpoint at {ckpt} (run once without --resume)")
+    out.mkdir(parents=True, exist_ok=True)
+    target_devices = resolve_devices(cfg.target_devices, "--target-devices")
+    drafter_devices = [
+        d
+        for d in resolve_devices(cfg.drafter_devices, "--drafter-devices")
+        for _ in range(cfg.drafter_threads_per_device)
+    ]
+
+    path, tokenizer, corpus = prepare_target(cfg, target_devices[0])
+    targets = [load_target(path, d, cfg.drafter_layers) for d in target_devices]
+    dcfg = drafter_config(
+        targets[0].model.config, cfg.drafter_layers, cfg.block_size, targets[0].tap_ids, tokenizer.mask_token_id
+    )
+    replicas = make_replicas(dcfg, frozen_heads(targets, set(drafter_devices)), drafter_devices, cfg.seed)
+    optimizers = [
+        torch.optim.AdamW(r.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay) for r in replicas
+    ]
+    tokens = regenerate(cfg, targets[0], path, corpus, tokenizer.eos_token_id) if cfg.regenerate else corpus.train
+    start = load_checkpoint(ckpt, cfg, replicas, optimizers) if cfg.resume else 0
+    end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
+    print(
+        f"target {cfg.target!r}: {targets[0].model.config.num_hidden_layers} layers, hidden "
+        f"{targets[0].hidden_size}, tapped layers {targets[0].tap_ids}; drafter: {cfg.drafter_layers} layers, "
+        f"{sum(p.numel() for p in replicas[0].parameters()):,} trainable parameters, block {cfg.block_size}; "
+        f"{len(replicas)} drafter threads on {cfg.drafter_devices}, {len(targets)} target thread(s) on "
+        f"{cfg.target_devices}",
+        flush=True,
+    )
+
+    metrics = MetricsLog(out / "metrics.jsonl", append=cfg.resume, started=started)
+    prompts = eval_prompts(corpus.held_out, cfg.eval_prompts, cfg.eval_prompt_len) if cfg.eval_prompts else []
+
+    def evaluate(step: int, when: str) -> float | None:
+        if not prompts:
+            return None
+        tau, generations = acceptance_length(targets[0], replicas[0], prompts, cfg.eval_new_tokens)
+        metrics.write("eval", step=step, tau=tau)
+        sample = show_blocks(generations[0], cfg.eval_prompt_len, tokenizer.decode)
+        print(
+            f"tau {when}: {tau:.2f} (mean tokens per target forward, {len(prompts)} held-out prompts x "
+            f"{cfg.eval_new_tokens} tokens, block {cfg.block_size}); blocks of the first: {sample!r}",
+            flush=True,
+        )
+        return tau
+
+    try:
+        tau_before = evaluate(start, "before training" if start == 0 else f"at step {start} (resumed)")
+        for replica, device in zip(replicas, drafter_devices):
+            if cfg.compile and device.type == "cpu":
+                replica.compile_layers(cfg.backend)
+        with cpu_thread_budget(sum(d.type == "cpu" for d in [*drafter_devices, *target_devices])):
+            run = _run_threads(cfg, targets, replicas, optimizers, drafter_devices, tokens, start, end, metrics, ckpt)
+        tau_after = None if run.interrupted or run.steps_done == start else evaluate(run.steps_done, "after training")
+        metrics.write(
+            "summary",
+            steps_done=run.steps_done,
+            tau_before=tau_before,
+            tau_after=tau_after,
+            final_loss=run.final_loss,
+            tokens_per_s=run.tokens_per_s,
+            interrupted=run.interrupted,
+        )
+    finally:
+        metrics.close()
+    if run.steps_done > start:
+        plot_metrics(out / "metrics.jsonl", out / "plot.png")
+    return TrainResult(
+        run.steps_done,
+        tau_before,
+        tau_after,
+        run.final_loss,
+        run.tokens_per_s,
+        time.monotonic() - started,
+        run.interrupted,
+        out,
+        replicas,
+    )
+
+
+@dataclass
+class _Run:
+    steps_done: int
+    final_loss: float | None
+    tokens_per_s: float | None
+    interrupted: bool
+
+
+def _run_threads(
+    cfg: TrainConfig,
+    targets: list[Target],
+    replicas: list[Drafter],
+    optimizers: list[torch.optim.Optimizer],
+    devices: list[torch.device],
+    tokens: torch.Tensor,
+    start: int,
+    end: int,
+    metrics: MetricsLog,
+    ckpt: Path,
+) -> _Run:
+    """Start the target and drafter threads for steps [start, end); report progress until they finish."""
+    if start >= end:
+        return _Run(start, None, None, False)
+    job = Job()
+    sync = StepSync(replicas, job)
+    inboxes: list[queue.Queue] = [queue.Queue(maxsize=cfg.queue_size) for _ in replicas]
+    make_batch = partial(
+        make_step_batch,
+        tokens,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        num_anchors=cfg.num_anchors,
+        block_size=cfg.block_size,
+        gamma=cfg.loss_gamma,
+        seed=cfg.seed,
+    )
+    turnstile = Turnstile(start)
+    for i, target in enumerate(targets):
+        steps = range(start + i, end, len(targets))
+        job.start(
+            f"target-{i} ({target.device})",
+            partial(target_worker, job, target, make_batch, steps, turnstile, inboxes, devices, cfg.fault),
+        )
+
+    def after_step(done: int, last: bool) -> None:  # runs in drafter thread 0, between its steps
+        if last or (cfg.save_every and done % cfg.save_every == 0):
+            save_checkpoint(ckpt, replicas[0], optimizers[0], done, cfg)
+
+    for rank, (replica, optimizer, device) in enumerate(zip(replicas, optimizers, devices)):
+        job.start(
+            f"drafter-{rank} ({device})",
+            partial(
+                drafter_worker,
+                job,
+                rank,
+                replica,
+                optimizer,
+                inboxes[rank],
+                sync,
+                range(start, end),
+                lr_at=lr_schedule(cfg),
+                grad_clip=cfg.grad_clip,
+                flex=device.type == "cuda" and cfg.compile,
+                chunk_blocks=cfg.loss_chunk,
+                fault=cfg.fault,
+                after_step=after_step if rank == 0 else None,
+            ),
+        )
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    bar = tqdm(total=end, initial=start, desc="drafter", unit="step", disable=not cfg.progress, dynamic_ncols=True)
+    drafters = [t for t in job.threads if t.name.startswith("drafter")]
+    done, loss, first_report, rate = start, None, None, None
+    with Watchdog(job, cfg.watchdog_timeout), bar:
+        while job.failure is None:
+            try:
+                try:
+                    event = job.events.get(timeout=0.2)
+                except queue.Empty:
+                    if not any(t.is_alive() for t in drafters):
+                        break  # all reports are in: rank 0 posts before it leaves
+                    continue
+                now = time.monotonic()
+                done, loss = event["step"], event["loss"]
+                # Throughput from the second report on: the first step includes compilation.
+                if first_report is None:
+                    first_report = now
+                elif now > first_report:
+                    rate = (done - start - 1) * tokens_per_step / (now - first_report)
+                depth = sum(q.qsize() for q in inboxes)
+                metrics.write("train", **event, tokens_per_s=rate, queue_depth=depth)
+                bar.update(done - bar.n)
+                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{event['acc']:.2f}", tok_s=f"{rate or 0:.0f}", queue=depth)
+            except KeyboardInterrupt:
+                if job.stop_requested.is_set():
+                    raise  # a second Ctrl-C: leave now, without a checkpoint
+                job.stop_requested.set()
+                bar.write("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to quit at once)")
+        job.close()  # releases the target workers (and everyone else, after a failure)
+        deadline = time.monotonic() + 30  # a thread busy compiling leaves at its next step boundary
+        for thread in job.threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    if job.failure is not None:
+        raise job.failure
+    return _Run(done, loss, rate, job.stop_requested.is_set() and done < end)

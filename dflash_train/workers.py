@@ -1,0 +1,304 @@
+"""The threads of a training job and what holds them together.
+
+* target workers (one per target device) turn step batches into tapped hidden states and push one
+  shard per drafter replica into that replica's bounded queue (backpressure);
+* drafter workers (one per replica) train their replica; at every step they meet at a barrier whose
+  action averages the gradients of all replicas, so the replicas stay identical;
+* ``Job`` carries the first failure of any thread to the main thread and makes every other thread
+  leave (no thread is left waiting on a queue or the barrier); ``Watchdog`` turns a hang into stacks
+  and a non-zero exit.
+
+Nothing here serialises compilation: threads compile concurrently, which ``import torchfix`` makes safe.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from .batch import StepBatch
+from .config import FAULT_SPEC
+from .model import Drafter
+from .target import Target
+
+EXIT_WATCHDOG = 3
+
+
+class WorkerFailed(Exception):
+    """A worker thread raised; the message holds its name and traceback."""
+
+    def __init__(self, worker: str, tb: str):
+        super().__init__(f"worker thread '{worker}' failed:\n{tb.rstrip()}")
+        self.worker = worker
+
+
+class _Leave(Exception):
+    """Raised inside a worker when the job is shutting down (another worker failed, or it is done)."""
+
+
+class Job:
+    def __init__(self) -> None:
+        self.stop_requested = threading.Event()  # Ctrl-C: finish the current step, checkpoint, leave
+        self.shutdown = threading.Event()  # every worker must leave now
+        self.failure: WorkerFailed | None = None
+        self.events: queue.Queue[dict] = queue.Queue()  # step reports for the main thread
+        self.last_progress = time.monotonic()
+        self._failure_lock = threading.Lock()  # the first failure wins
+        self._on_shutdown: list[Callable[[], None]] = []
+        self.threads: list[threading.Thread] = []
+
+    def progress(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def on_shutdown(self, fn: Callable[[], None]) -> None:
+        self._on_shutdown.append(fn)
+
+    def close(self) -> None:
+        self.shutdown.set()
+        for fn in self._on_shutdown:
+            fn()
+
+    def fail(self, worker: str) -> None:
+        with self._failure_lock:
+            if self.failure is None:
+                self.failure = WorkerFailed(worker, traceback.format_exc())
+        self.close()
+
+    def start(self, name: str, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in a daemon thread; an exception there fails the whole job."""
+
+        def run() -> None:
+            try:
+                fn()
+            except (_Leave, threading.BrokenBarrierError):
+                if not self.shutdown.is_set():  # a broken barrier nobody asked for is a bug: report it
+                    self.fail(name)
+            except BaseException:
+                self.fail(name)
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def check(self) -> None:
+        if self.shutdown.is_set():
+            raise _Leave
+
+    def put(self, q: queue.Queue, item: object) -> None:
+        while True:
+            try:
+                return q.put(item, timeout=0.1)
+            except queue.Full:
+                self.check()
+
+    def get(self, q: queue.Queue) -> object:
+        while True:
+            try:
+                return q.get(timeout=0.1)
+            except queue.Empty:
+                self.check()
+
+
+# --- faults, for testing the error paths ------------------------------------------------------------
+
+
+def inject_fault(spec: str, role: str, step: int) -> None:
+    """Fail on purpose where ``spec`` ('raise@drafter:3', 'hang@target:0') says."""
+    m = FAULT_SPEC.match(spec)
+    if not m or m.group(2) != role or int(m.group(3)) != step:
+        return
+    if m.group(1) == "raise":
+        raise RuntimeError(f"injected fault: {role} worker at step {step}")
+    threading.Event().wait()  # hang forever; only the watchdog ends this
+
+
+# --- target side --------------------------------------------------------------------------------------
+
+
+class Turnstile:
+    """Lets target workers enqueue in step order: they compute concurrently, but the drafters must
+    receive step s before step s + 1 (and a resumed run the same order as an uninterrupted one)."""
+
+    def __init__(self, first_step: int):
+        self.next_step = first_step
+        self._cond = threading.Condition()
+
+    def wait_turn(self, step: int, job: Job) -> None:
+        with self._cond:
+            while self.next_step != step:
+                self._cond.wait(timeout=0.1)
+                job.check()
+
+    def advance(self) -> None:
+        with self._cond:
+            self.next_step += 1
+            self._cond.notify_all()
+
+
+def target_worker(
+    job: Job,
+    target: Target,
+    make_batch: Callable[[int], StepBatch],
+    steps: range,
+    turnstile: Turnstile,
+    queues: list[queue.Queue],
+    devices: list[torch.device],
+    fault: str,
+) -> None:
+    for step in steps:
+        inject_fault(fault, "target", step)
+        batch = make_batch(step)
+        batch.features = target.features(batch.input_ids)
+        shards = [shard.to(device) for shard, device in zip(batch.split(len(queues)), devices)]
+        turnstile.wait_turn(step, job)
+        for q, shard in zip(queues, shards):
+            job.put(q, shard)
+        turnstile.advance()
+        job.progress()
+
+
+# --- drafter side -------------------------------------------------------------------------------------
+
+
+class GradientAverager:
+    """Replaces every replica's gradients with their mean, in place and bit-identical everywhere.
+
+    The one place data parallelism happens: across processes, a ``torch.distributed.all_reduce`` of
+    the local mean slots in here."""
+
+    def __init__(self, replicas: list[Drafter]):
+        self.groups = list(zip(*(list(r.parameters()) for r in replicas)))
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for params in self.groups:
+            grads = [p.grad for p in params]
+            if grads[0] is None:
+                continue
+            mean = torch.stack([g.to(grads[0].device) for g in grads]).mean(0)
+            for g in grads:
+                g.copy_(mean)
+
+
+class StepSync:
+    """The drafter threads' rendezvous after each backward. The last thread to arrive averages the
+    gradients and takes the step's stop decision, so every replica leaves after the same step."""
+
+    def __init__(self, replicas: list[Drafter], job: Job):
+        self.job = job
+        self.size = len(replicas)
+        self.average = GradientAverager(replicas)
+        self._stats: list[tuple[torch.Tensor, torch.Tensor, int]] = [None] * self.size  # type: ignore[list-item]
+        self.report: dict[str, float] = {}
+        self.stop = False
+        self.barrier = threading.Barrier(self.size, action=self._at_barrier)
+        job.on_shutdown(self.barrier.abort)
+
+    def _at_barrier(self) -> None:
+        self.average()
+        # Each replica's loss is already scaled so that the mean over replicas is the step loss.
+        loss = sum(float(loss) for loss, _, _ in self._stats) / self.size
+        correct = sum(int(c) for _, c, _ in self._stats)
+        labels = sum(n for _, _, n in self._stats)
+        self.report = {"loss": loss, "acc": correct / max(1, labels)}
+        self.stop = self.job.stop_requested.is_set()
+
+    def wait(self, rank: int, loss: torch.Tensor, correct: torch.Tensor, labels: int) -> None:
+        self._stats[rank] = (loss.detach(), correct, labels)
+        self.barrier.wait()
+
+
+def drafter_worker(
+    job: Job,
+    rank: int,
+    replica: Drafter,
+    optimizer: torch.optim.Optimizer,
+    inbox: queue.Queue,
+    sync: StepSync,
+    steps: range,
+    *,
+    lr_at: Callable[[int], float],
+    grad_clip: float,
+    flex: bool,
+    chunk_blocks: int,
+    fault: str,
+    after_step: Callable[[int, bool], None] | None,
+) -> None:
+    """Train ``replica`` for ``steps``. Rank 0 reports each step and calls ``after_step(done, last)``
+    (checkpointing) with the number of steps done and whether the run ends there."""
+    replica.train()
+    for step in steps:
+        if rank == sync.size - 1:
+            inject_fault(fault, "drafter", step)
+        batch: StepBatch = job.get(inbox)  # type: ignore[assignment]
+        assert batch.step == step, f"replica {rank} expected step {step}, got {batch.step}"
+        loss, correct = replica.training_loss(batch, flex=flex, chunk_blocks=chunk_blocks)
+        loss.backward()
+        sync.wait(rank, loss, correct, int((batch.weights > 0).sum()))
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(replica.parameters(), grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        job.progress()
+        last = sync.stop or step == steps[-1]
+        if rank == 0:
+            job.events.put({"step": step + 1, **sync.report, "lr": lr_at(step)})
+            if after_step is not None:
+                after_step(step + 1, last)
+        if last:
+            return
+
+
+# --- watchdog -----------------------------------------------------------------------------------------
+
+
+class Watchdog:
+    """Prints every thread's stack and exits the process (code 3) when the job shows no progress for
+    ``timeout`` seconds. Without torchfix, this is how the H5 compile deadlock shows itself."""
+
+    def __init__(self, job: Job, timeout: float):
+        self.job = job
+        self.timeout = timeout
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        if self.timeout > 0:
+            self.job.progress()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(timeout=min(1.0, self.timeout / 4)):
+            idle = time.monotonic() - self.job.last_progress
+            if idle > self.timeout:
+                sys.stderr.write(dump_threads(f"dflash-train: watchdog: no progress for {idle:.0f} s"))
+                sys.stderr.flush()
+                os._exit(EXIT_WATCHDOG)
+
+
+def dump_threads(headline: str) -> str:
+    frames = sys._current_frames()
+    lines = [f"{headline}; stacks of all {len(frames)} threads follow.\n"]
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident)
+        if frame is not None and thread is not threading.current_thread():
+            lines.append(f"\n--- thread {thread.name!r} (id {thread.ident}) ---\n")
+            lines.extend(traceback.format_stack(frame))
+    lines.append(
+        "\nA drafter thread stuck in compilation (convert_frame / compile_fx / autograd) is the H5 deadlock"
+        " that `import torchfix` prevents; check that it is not disabled (--no-torchfix, TORCHFIX_DISABLE).\n"
+    )
+    return "".join(lines)

@@ -1,0 +1,125 @@
+"""dflash_train's threaded training loop, in-process with tiny sizes and nothing compiled:
+replicas stay identical, data parallelism is exact, resume is exact, bad checkpoints are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_train.config import ConfigError, TrainConfig
+from dflash_train.train import train
+
+
+@pytest.fixture
+def tiny(tmp_path_factory) -> TrainConfig:
+    """A few-second run: untrained tiny target, short sequences, eager layers, no evaluation."""
+    return TrainConfig(
+        tiny_target_steps=0,
+        regenerate=0,
+        cache_dir=str(tmp_path_factory.getbasetemp() / "cache"),
+        out_dir=str(tmp_path_factory.mktemp("run")),
+        seq_len=48,
+        batch_size=4,
+        num_anchors=6,
+        loss_chunk=4,
+        steps=5,
+        warmup_steps=2,
+        lr=3e-3,
+        compile=False,
+        eval_prompts=0,
+        progress=False,
+        watchdog_timeout=0,
+    )
+
+
+def weights(drafter) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+
+
+def test_replicas_stay_identical(tiny):
+    cfg = dataclasses.replace(tiny, drafter_threads_per_device=4)
+    result = train(cfg)
+    assert result.steps_done == cfg.steps and len(result.drafters) == 4
+    first = weights(result.drafters[0])
+    one_step = weights(train(dataclasses.replace(cfg, steps=1, out_dir=cfg.out_dir + "-1")).drafters[0])
+    assert any(not torch.equal(first[k], one_step[k]) for k in first), "the weights moved"
+    for replica in result.drafters[1:]:
+        for name, value in weights(replica).items():
+            assert torch.equal(value, first[name]), f"replicas differ in {name}"
+
+
+def test_two_threads_on_half_batches_match_one_thread(tiny):
+    one = train(dataclasses.replace(tiny, drafter_threads_per_device=1, out_dir=tiny.out_dir + "-one"))
+    two = train(dataclasses.replace(tiny, drafter_threads_per_device=2, out_dir=tiny.out_dir + "-two"))
+    assert one.final_loss == pytest.approx(two.final_loss, rel=1e-4)
+    a, b = weights(one.drafters[0]), weights(two.drafters[0])
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-4, rtol=1e-3, msg=f"{name} differs")
+
+
+def test_resume_continues_exactly(tiny):
+    straight = dataclasses.replace(tiny, out_dir=tiny.out_dir + "-straight")
+    train(straight)
+    cut = dataclasses.replace(tiny, out_dir=tiny.out_dir + "-cut", stop_after=2)
+    assert train(cut).steps_done == 2
+    resumed = train(dataclasses.replace(cut, stop_after=0, resume=True))
+    assert resumed.steps_done == tiny.steps
+    a = load_file(straight.out_dir + "/checkpoint.safetensors")
+    b = load_file(cut.out_dir + "/checkpoint.safetensors")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
+    for name in a:  # weights and optimizer state, bit for bit
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_bad_checkpoints_are_refused_with_one_message(tiny):
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        train(dataclasses.replace(tiny, resume=True))
+    train(dataclasses.replace(tiny, steps=1))
+    with pytest.raises(ConfigError, match="incompatible.*--block-size 8.*--block-size 4"):
+        train(dataclasses.replace(tiny, block_size=4, resume=True))
+    with pytest.raises(ConfigError, match="incompatible.*--drafter-layers"):
+        train(dataclasses.replace(tiny, drafter_layers=1, resume=True))
+    path = tiny.out_dir + "/checkpoint.safetensors"
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])  # a save cut short
+    with pytest.raises(ConfigError, match="corrupt"):
+        train(dataclasses.replace(tiny, resume=True))
+    open(path, "wb").write(b"\x00" * 64)
+    with pytest.raises(ConfigError, match="corrupt"):
+        train(dataclasses.replace(tiny, resume=True))
+
+
+def test_local_hugging_face_model_and_tokenizer(tiny, tmp_path):
+    """--target PATH: a causal LM and its own (non-byte) tokenizer from a local folder; block 16."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train([str(text)], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="<eos>")
+    model_dir = tmp_path / "model"
+    tokenizer.save_pretrained(model_dir)
+    config = Qwen3Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    Qwen3ForCausalLM(config).save_pretrained(model_dir)
+
+    cfg = dataclasses.replace(
+        tiny, target=str(model_dir), data=str(text), steps=2, eval_prompts=1, eval_prompt_len=16, eval_new_tokens=8
+    )
+    result = train(cfg)
+    assert result.steps_done == 2 and result.drafters[0].block_size == 16
+    assert result.drafters[0].mask_token_id == tokenizer.vocab_size  # "<|MASK|>" added, within 320 rows
+    assert 1.0 <= result.tau_after <= 16

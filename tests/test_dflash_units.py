@@ -1,0 +1,172 @@
+"""dflash_train pieces, in-process and single-threaded: mask rule, anchors, loss, layer taps, tau."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_train.data import ByteTokenizer
+from dflash_train.evaluate import speculative_generate
+from dflash_train.loss import block_targets, chunked_loss, position_weights
+from dflash_train.masks import anchor_block_mask_mod, dense_mask, sample_anchors
+from dflash_train.model import drafter_config, make_replicas
+from dflash_train.target import TINY_QWEN3, Target, tap_layer_ids
+
+CPU = torch.device("cpu")
+
+
+def reference_visible(anchors, keep, ctx_len, block_size, b, q, kv) -> bool:
+    """The anchor block rule, written out plainly for one (sequence, query, key)."""
+    block = q // block_size
+    if block >= anchors.shape[1] or not keep[b, block]:
+        return False  # padded query tail, or a padding block
+    if kv < ctx_len:
+        return kv < anchors[b, block]  # context strictly before the anchor
+    return (kv - ctx_len) // block_size == block  # own block only, bidirectional
+
+
+@pytest.fixture
+def layout():
+    batch, ctx_len, blocks, block_size = 3, 13, 4, 3
+    anchors, keep = sample_anchors(batch, ctx_len, blocks, torch.Generator().manual_seed(1))
+    keep[1, 2:] = False  # padding blocks in the middle of a batch
+    anchors[1, 2:] = 0
+    anchors[2, 0] = 1  # an anchor at the first possible position
+    return anchors, keep, ctx_len, block_size
+
+
+def test_mask_rule_position_by_position(layout):
+    anchors, keep, ctx_len, block_size = layout
+    batch, blocks = anchors.shape
+    mask_mod = anchor_block_mask_mod(anchors, keep, ctx_len, block_size)
+    # create_block_mask pads both lengths up to multiples of 128: check well past the real ones.
+    q_pad, kv_pad = 128, 128 + 17
+    dense = dense_mask(mask_mod, batch, q_pad, kv_pad, CPU)
+    for b in range(batch):
+        for q in range(q_pad):
+            for kv in range(kv_pad):
+                want = reference_visible(anchors, keep, ctx_len, block_size, b, q, kv)
+                assert bool(dense[b, 0, q, kv]) == want, (b, q, kv)
+    # The scalar form flex attention calls (vmapped), spot-checked over the same grid.
+    h = torch.tensor(0)
+    for b, q, kv in [(0, 0, 0), (0, 2, 12), (1, 7, 13 + 7), (1, 3, 14), (2, 11, 13 + 9), (2, 127, 144)]:
+        want = reference_visible(anchors, keep, ctx_len, block_size, b, q, kv)
+        got = mask_mod(torch.tensor(b), h, torch.tensor(q), torch.tensor(kv))
+        assert bool(got) == want, (b, q, kv)
+
+
+def test_flex_block_mask_equals_dense_mask(layout):
+    """The BlockMask built from the same rule attends exactly like the dense SDPA mask (the CUDA and
+    CPU paths agree), including padding blocks, whose queries see nothing and output zeros."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    anchors, keep, ctx_len, block_size = layout
+    batch, blocks = anchors.shape
+    q_len, kv_len = blocks * block_size, ctx_len + blocks * block_size
+    mask_mod = anchor_block_mask_mod(anchors, keep, ctx_len, block_size)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(batch, 4, q_len, 16), torch.randn(batch, 2, kv_len, 16), torch.randn(batch, 2, kv_len, 16)
+    block_mask = create_block_mask(mask_mod, batch, None, q_len, kv_len, device="cpu")
+    with pytest.warns(UserWarning):  # eager flex attention warns that it is slow: fine for a test
+        flex = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    dense = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense_mask(mask_mod, batch, q_len, kv_len, CPU), enable_gqa=True
+    )
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+    assert flex[1, :, 2 * block_size :].abs().max() == 0
+
+
+def test_anchor_sampling():
+    batch, seq_len, n = 64, 40, 10
+    anchors, keep = sample_anchors(batch, seq_len, n, torch.Generator().manual_seed(0))
+    assert keep.all()
+    for row in anchors.tolist():
+        assert row == sorted(set(row)), "sorted and without replacement"
+        assert 1 <= row[0] and row[-1] <= seq_len - 2, "context before, a label after"
+    # Uniform over the 38 candidate positions: every one is used, none far more than expected.
+    counts = torch.bincount(anchors.flatten(), minlength=seq_len)
+    expected = batch * n / (seq_len - 2)
+    assert counts[0] == 0 and counts[seq_len - 1] == 0
+    assert (counts[1 : seq_len - 1] > 0).all() and counts.max() < 3 * expected
+    # Fresh per step (generator seed), reproducible for the same seed.
+    again, _ = sample_anchors(batch, seq_len, n, torch.Generator().manual_seed(0))
+    other, _ = sample_anchors(batch, seq_len, n, torch.Generator().manual_seed(1))
+    assert torch.equal(anchors, again) and not torch.equal(anchors, other)
+    # Fewer candidates than anchors: the rest are padding blocks (anchor 0, keep False).
+    anchors, keep = sample_anchors(2, 6, 6, torch.Generator().manual_seed(0))
+    assert keep.tolist() == [[True] * 4 + [False] * 2] * 2
+    assert anchors[:, :4].sort(dim=1).values.tolist() == [[1, 2, 3, 4]] * 2 and anchors[:, 4:].eq(0).all()
+
+
+def test_loss_weights_and_labels():
+    w = position_weights(8, 4.0)
+    assert w[0] == 0
+    for k in range(1, 8):
+        assert math.isclose(float(w[k]), math.exp(-(k - 1) / 4.0), rel_tol=1e-6)
+    ids = torch.arange(100, 120).view(1, 20)
+    anchors = torch.tensor([[3, 15, 0]])
+    keep = torch.tensor([[True, True, False]])
+    labels, weights = block_targets(ids, anchors, keep, 8, 4.0)
+    assert labels[0, 0].tolist() == list(range(103, 111)), "position k is labelled with token anchor + k"
+    assert torch.equal(weights[0, 0], w)
+    assert weights[0, 1, :5].tolist() == w[:5].tolist() and weights[0, 1, 5:].eq(0).all(), "past the end: 0"
+    assert weights[0, 2].eq(0).all(), "padding block: 0"
+
+
+def test_chunked_loss_equals_plain_cross_entropy():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(2, 5 * 4, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 5, 4))
+    weights = torch.rand(2, 5, 4)
+    total, correct = chunked_loss(hidden, head, labels, weights, chunk_blocks=2)
+    logits = head(hidden).view(2, 5, 4, 50)
+    plain = (F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none") * weights.flatten()).sum()
+    torch.testing.assert_close(total, plain)
+    assert int(correct) == int((logits.argmax(-1) == labels).sum())
+    (grad_chunked,) = torch.autograd.grad(total, hidden)
+    (grad_plain,) = torch.autograd.grad(plain, hidden)
+    torch.testing.assert_close(grad_chunked, grad_plain)
+
+
+def test_tap_layer_ids_follow_the_dflash_rule():
+    assert tap_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B with the 5-layer DFlash drafter
+    assert tap_layer_ids(28, 1) == [14]
+    assert tap_layer_ids(5, 2) == [1, 2]  # the tiny target
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3))
+    target = Target(model, tap_layer_ids(5, 2))
+    cfg = drafter_config(model.config, 2, 8, target.tap_ids, ByteTokenizer.MASK)
+    (drafter,) = make_replicas(cfg, {CPU: (target.input_embeddings(), target.output_head())}, [CPU], seed=0)
+    return model, target, drafter.eval()
+
+
+def test_speculative_decoding_reproduces_target_greedy(tiny_pair):
+    model, target, drafter = tiny_pair
+    prompt, new = list(b"def main():\n    "), 24
+    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0].tolist()
+
+    def oracle(features, anchor):  # proposes the target's own continuation: every draft token accepted
+        start = features.shape[1]
+        return greedy[start + 1 : start + 8] + [0] * (start + 8 - len(greedy))
+
+    def wrong(features, anchor):  # never right: one token per step
+        start = features.shape[1]
+        return [(t + 1) % 256 for t in (greedy + [0] * 8)[start + 1 : start + 8]]
+
+    for propose, tau in [(drafter.draft, None), (oracle, 8.0), (wrong, 1.0)]:
+        out = speculative_generate(target, propose, prompt, new)
+        assert out.tokens == greedy
+        assert sum(out.accepted) == new - 1  # the first new token comes from the prefill
+        assert all(1 <= a <= 8 for a in out.accepted)
+        if tau is not None:
+            assert sum(out.accepted[:-1]) / len(out.accepted[:-1]) == tau
