@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
+import sys
 from pathlib import Path
 
 import torch
@@ -76,7 +76,7 @@ def load_checkpoint(
 ) -> int:
     """Load ``path`` into every replica and optimizer; return the number of steps it had done.
 
-    Raises ConfigError, with one message, for a missing, corrupt or incompatible checkpoint."""
+    Raises ConfigError, with one message, for a corrupt or incompatible checkpoint."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -109,8 +109,10 @@ def load_checkpoint(
             )
     changed = [n for n in TRAJECTORY_FIELDS if saved.get(n) != getattr(cfg, n)]
     if changed:
-        warnings.warn(
-            f"resuming with changed {', '.join(changed)}: the run will not reproduce an uninterrupted one", stacklevel=2
+        print(
+            f"dflash-train: warning: resuming with changed {', '.join(changed)}: the run will not reproduce "
+            "an uninterrupted one",
+            file=sys.stderr,
         )
 
     weights = {k.removeprefix("drafter."): v for k, v in tensors.items() if k.startswith("drafter.")}

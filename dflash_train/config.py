@@ -35,7 +35,7 @@ class TrainConfig:
         metavar="PATH",
     )
     tiny_target_steps: int = _opt(
-        300, "training steps of the tiny target (first run only; 0 keeps it randomly initialised)"
+        600, "training steps of the tiny target (first run only; 0 keeps it randomly initialised)"
     )
     data: str = _opt(
         "stdlib",

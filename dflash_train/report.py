@@ -44,6 +44,7 @@ def plot_metrics(metrics: Path, png: Path) -> None:
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="loss", color="tab:blue")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("decayed CE loss")
+    ax_loss.set_yscale("log")  # the first steps start far above the rest
     ax_loss.set_title("drafter training")
     ax_acc = ax_loss.twinx()
     ax_acc.plot([r["step"] for r in train], [r["acc"] for r in train], color="tab:orange", alpha=0.6)

@@ -103,7 +103,7 @@ TINY_QWEN3 = dict(
     max_position_embeddings=2048,
     tie_word_embeddings=True,
 )
-TINY_RECIPE = dict(batch_size=32, seq_len=128, lr=1e-2, warmup=20, min_lr_ratio=0.1, weight_decay=0.01)
+TINY_RECIPE = dict(batch_size=8, seq_len=128, lr=1e-2, warmup=20, min_lr_ratio=0.1, weight_decay=0.01)
 
 
 def _tiny_target_dir(cfg: TrainConfig, corpus: Corpus) -> Path:

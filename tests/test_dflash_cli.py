@@ -111,6 +111,13 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert f"done: {step + 2} steps" in ran.stdout
 
 
+@pytest.fixture
+def main_env(monkeypatch):
+    """main() sets environment variables for the process (OMP_WAIT_POLICY): keep them out of the
+    environment that later tests hand to their subprocesses."""
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -122,7 +129,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
         (["--resume"], "no checkpoint at "),
     ],
 )
-def test_bad_input_gets_one_clear_message(tmp_path, capsys, args, message):
+def test_bad_input_gets_one_clear_message(tmp_path, capsys, main_env, args, message):
     with pytest.raises(SystemExit) as exit_info:
         main([*tiny_flags(tmp_path), *args])
     assert exit_info.value.code == 2
@@ -130,7 +137,7 @@ def test_bad_input_gets_one_clear_message(tmp_path, capsys, args, message):
     assert err.startswith("dflash-train: error: ") and message in err and "Traceback" not in err
 
 
-def test_config_file_and_unknown_keys(tmp_path, capsys):
+def test_config_file_and_unknown_keys(tmp_path, capsys, main_env):
     bad = tmp_path / "bad.toml"
     bad.write_text("steps = 3\nblock-sise = 4\n")
     with pytest.raises(SystemExit):
