@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .config import ConfigError, TrainConfig, build_parser, make_config, read_config_file
+from .config import ConfigError, Ranks, TrainConfig, build_parser, make_config, read_config_file
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     # starve each other (and any other process), making steps up to 10x slower. Read at torch import.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     config_file = args.pop("config", None)
+    ranks = Ranks.from_env()
+    # Under torchrun every rank reports its own failure; rank 0 alone reports the rest.
+    me = f"dflash-train (rank {ranks.rank})" if ranks.world_size > 1 else "dflash-train"
 
     import torchfix  # noqa: F401  (the whole answer to threads + torch.compile; see README)
 
@@ -37,13 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = make_config(cfg, args, "command line").resolved()
         result = train(cfg)
     except ConfigError as e:
-        parser.exit(EXIT_USAGE, f"dflash-train: error: {e}\n")
+        parser.exit(EXIT_USAGE, f"{me}: error: {e}\n")
     except WorkerFailed as e:
-        print(f"dflash-train: {e}", file=sys.stderr)
+        print(f"{me}: {e}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        print("dflash-train: interrupted", file=sys.stderr)
+        print(f"{me}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if not ranks.is_main:
+        return EXIT_INTERRUPTED if result.interrupted else 0
     if result.interrupted:
         print(
             f"dflash-train: interrupted at step {result.steps_done}; checkpoint saved in {result.out_dir}. "
@@ -57,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     if result.tau_before is not None and result.tau_after is not None:
         line += f"; tau {result.tau_before:.2f} -> {result.tau_after:.2f}"
     print(f"{line}. Outputs in {result.out_dir}: metrics.jsonl, plot.png, checkpoint.safetensors", flush=True)
+    if result.first_step_s:
+        firsts = ", ".join(f"{thread} {s:.1f} s" for thread, s in result.first_step_s.items())
+        print(f"first step done (from the job's start, compilation included): {firsts}", flush=True)
+    d = result.dynamo
+    fallback = f"eager fallbacks: {d['graph_breaks']} graph breaks, {d['frames_failed']} frames not compiled"
+    print(f"torch.compile: {d['unique_graphs']} graphs; {fallback if d['eager_fallback'] else 'no eager fallback'}")
     return 0
 
 

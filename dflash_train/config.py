@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,11 +102,16 @@ class TrainConfig:
     watchdog_timeout: float = _opt(
         300.0, "seconds without progress before every thread's stack is printed and the job exits (0: off)"
     )
+    dist_timeout: float = _opt(
+        600.0,
+        "under torchrun: seconds a step's all-reduce waits for the other ranks before failing, so that a dead or "
+        "stuck rank stops the job instead of hanging it",
+    )
     progress: bool = _opt(True, "show a progress bar")
     fault: str = _opt(
         "",
         "testing the error paths: make a worker fail at a step, 'raise@drafter:STEP', 'hang@target:STEP' "
-        "(raise|hang @ drafter|target); '': none",
+        "(raise|hang @ drafter|target; drafter faults hit the last drafter thread of the last rank); '': none",
         metavar="SPEC",
     )
 
@@ -130,6 +136,7 @@ class TrainConfig:
             "batch_size",
             "loss_chunk",
             "steps",
+            "dist_timeout",
         )
         for name in positive:
             if getattr(cfg, name) < 1:
@@ -157,10 +164,11 @@ class TrainConfig:
         parse_devices(cfg.target_devices, "--target-devices")
         if cfg.fault and not FAULT_SPEC.match(cfg.fault):
             raise ConfigError(f"--fault {cfg.fault!r}: use 'raise@drafter:STEP', 'hang@target:STEP', ...")
-        if cfg.batch_size % cfg.drafter_thread_count() != 0:
+        replicas = Ranks.from_env().world_size * cfg.drafter_thread_count()
+        if cfg.batch_size % replicas != 0:
             raise ConfigError(
-                f"--batch-size ({cfg.batch_size}) must be divisible by the number of drafter threads "
-                f"({cfg.drafter_thread_count()} = devices x --drafter-threads-per-device)"
+                f"--batch-size ({cfg.batch_size}) must be divisible by the number of drafter threads of the job "
+                f"({replicas} = ranks x devices x --drafter-threads-per-device)"
             )
         return cfg
 
@@ -172,6 +180,33 @@ class TrainConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process sits in a ``torchrun`` job; one rank of one without torchrun.
+
+    torch.distributed.run tells each process through environment variables: no flag turns it on."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0  # the rank among the processes of this host
+    local_world_size: int = 1
+
+    @classmethod
+    def from_env(cls) -> Ranks:
+        env = os.environ
+        if "WORLD_SIZE" not in env:
+            return cls()
+        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
 
 
 def parse_devices(spec: str, flag: str) -> list[str]:

@@ -9,21 +9,25 @@ from typing import Any
 
 
 class MetricsLog:
-    """Appends records to ``metrics.jsonl``. Every record has a ``type`` (train, eval or summary) and
-    ``elapsed_s``, the seconds since this run started."""
+    """Appends records to ``metrics.jsonl``. Every record has a ``type`` (train, eval, first_step, dynamo
+    or summary) and ``elapsed_s``, the seconds since this run started. ``path`` None (the ranks other
+    than 0 of a torchrun job) writes nothing."""
 
-    def __init__(self, path: Path, *, append: bool, started: float):
+    def __init__(self, path: Path | None, *, append: bool, started: float):
         self.path = path
         self.started = started
-        self._file = path.open("a" if append else "w")
+        self._file = path.open("a" if append else "w") if path is not None else None
 
     def write(self, record_type: str, **fields: Any) -> None:
+        if self._file is None:
+            return
         elapsed = round(time.monotonic() - self.started, 3)
         self._file.write(json.dumps({"type": record_type, **fields, "elapsed_s": elapsed}) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -22,10 +22,11 @@ from tqdm import tqdm
 
 import torchfix  # noqa: F401  (makes torch's compile state thread-local: threads may compile concurrently)
 
-from .batch import make_step_batch
+from .batch import StepBatch, make_step_batch
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import ConfigError, TrainConfig, parse_devices
+from .config import ConfigError, Ranks, TrainConfig, parse_devices
 from .data import eval_prompts
+from .distributed import Collectives
 from .evaluate import acceptance_length, show_blocks
 from .model import Drafter, drafter_config, make_replicas
 from .report import MetricsLog, plot_metrics
@@ -44,6 +45,8 @@ class TrainResult:
     interrupted: bool  # stopped by Ctrl-C (a checkpoint was saved)
     out_dir: Path
     drafters: list[Drafter]  # the trained replicas, identical: drafters[0] speaks for all
+    first_step_s: dict[str, float]  # seconds from the job's start to each drafter thread's first step done
+    dynamo: dict[str, object]  # what torch.compile did in this process (see dynamo_summary)
 
 
 def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
@@ -58,16 +61,26 @@ def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
     return lr_at
 
 
-def resolve_devices(spec: str, flag: str) -> list[torch.device]:
+def cuda_offset(cfg: TrainConfig, ranks: Ranks) -> int:
+    """How far this rank shifts the CUDA indices of the device flags, which name devices as one rank
+    sees them: local rank L uses cuda:(i + L * N) for cuda:i, N = the highest index named + 1 (the
+    number of GPUs one rank uses, when they are cuda:0..N-1), so the ranks of a host share no GPU."""
+    names = [n for spec in (cfg.target_devices, cfg.drafter_devices) for n in parse_devices(spec, "devices")]
+    indices = [int(n.partition(":")[2] or 0) for n in names if n.startswith("cuda")]
+    return ranks.local_rank * (max(indices) + 1) if indices else 0
+
+
+def resolve_devices(spec: str, flag: str, offset: int = 0) -> list[torch.device]:
     devices = []
     for name in parse_devices(spec, flag):
         device = torch.device(name)
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigError(f"{flag}: {name} asked for, but CUDA is not available here")
-            index = torch.cuda.current_device() if device.index is None else device.index
+            index = (device.index or 0) + offset
             if index >= torch.cuda.device_count():
-                raise ConfigError(f"{flag}: {name} does not exist ({torch.cuda.device_count()} CUDA devices)")
+                shifted = f" (cuda:{index} on this local rank)" if offset else ""
+                raise ConfigError(f"{flag}: {name}{shifted} does not exist ({torch.cuda.device_count()} CUDA devices)")
             device = torch.device("cuda", index)
         devices.append(device)
     return devices
@@ -75,7 +88,7 @@ def resolve_devices(spec: str, flag: str) -> list[torch.device]:
 
 @contextlib.contextmanager
 def cpu_thread_budget(cpu_workers: int) -> Iterator[None]:
-    """Share the cores among the worker threads that compute on the CPU.
+    """Share the cores among the worker threads that compute on the CPU (of all ranks on this host).
 
     torch's intra-op thread count is process-wide: with its default (all cores) in each of several
     worker threads, OpenMP teams oversubscribe the cores and spin waiting for each other."""
@@ -104,22 +117,32 @@ def frozen_heads(targets: list[Target], devices: set[torch.device]) -> dict[torc
 
 
 def train(config: TrainConfig) -> TrainResult:
+    """The whole job. Under torchrun, every rank calls it; rank 0 alone writes outputs and reports."""
     started = time.monotonic()
     cfg = config.resolved()
+    ranks = Ranks.from_env()
     out = Path(cfg.out_dir)
     ckpt = out / "checkpoint.safetensors"
     if cfg.resume and not ckpt.is_file():
-        raise ConfigError(f"--resume: there is no checkpoint at {ckpt} (run once without --resume)")
+        raise ConfigError(
+            f"--resume: there is no checkpoint at {ckpt} (run once without --resume; under torchrun on several "
+            "hosts, --out-dir must be on a filesystem they share)"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    target_devices = resolve_devices(cfg.target_devices, "--target-devices")
+    offset = cuda_offset(cfg, ranks)
+    target_devices = resolve_devices(cfg.target_devices, "--target-devices", offset)
     drafter_devices = [
         d
-        for d in resolve_devices(cfg.drafter_devices, "--drafter-devices")
+        for d in resolve_devices(cfg.drafter_devices, "--drafter-devices", offset)
         for _ in range(cfg.drafter_threads_per_device)
     ]
+    collectives = Collectives(ranks, drafter_devices[0], cfg.dist_timeout)
+    collectives.check_same(len(drafter_devices), "drafter threads")
 
-    path, tokenizer, corpus = prepare_target(cfg, target_devices[0])
-    targets = [load_target(path, d, cfg.drafter_layers) for d in target_devices]
+    with collectives.local_main_first():  # one process per host fills the cache, the others read it
+        path, tokenizer, corpus = prepare_target(cfg, target_devices[0])
+        targets = [load_target(path, d, cfg.drafter_layers) for d in target_devices]
+        tokens = regenerate(cfg, targets[0], path, corpus, tokenizer.eos_token_id) if cfg.regenerate else corpus.train
     dcfg = drafter_config(
         targets[0].model.config, cfg.drafter_layers, cfg.block_size, targets[0].tap_ids, tokenizer.mask_token_id
     )
@@ -127,32 +150,40 @@ def train(config: TrainConfig) -> TrainResult:
     optimizers = [
         torch.optim.AdamW(r.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay) for r in replicas
     ]
-    tokens = regenerate(cfg, targets[0], path, corpus, tokenizer.eos_token_id) if cfg.regenerate else corpus.train
+    # Every rank reads the checkpoint itself (so several hosts need a shared --out-dir).
     start = load_checkpoint(ckpt, cfg, replicas, optimizers) if cfg.resume else 0
+    for replica in replicas:  # the same seed made them equal; this makes sure of it, cheaply
+        collectives.broadcast_(list(replica.parameters()))
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
-    print(
-        f"target {cfg.target!r}: {targets[0].model.config.num_hidden_layers} layers, hidden "
-        f"{targets[0].hidden_size}, tapped layers {targets[0].tap_ids}; drafter: {cfg.drafter_layers} layers, "
-        f"{sum(p.numel() for p in replicas[0].parameters()):,} trainable parameters, block {cfg.block_size}; "
-        f"{len(replicas)} drafter threads on {cfg.drafter_devices}, {len(targets)} target thread(s) on "
-        f"{cfg.target_devices}",
-        flush=True,
-    )
+    if ranks.is_main:
+        print(
+            f"target {cfg.target!r}: {targets[0].model.config.num_hidden_layers} layers, hidden "
+            f"{targets[0].hidden_size}, tapped layers {targets[0].tap_ids}; drafter: {cfg.drafter_layers} layers, "
+            f"{sum(p.numel() for p in replicas[0].parameters()):,} trainable parameters, block {cfg.block_size}; "
+            f"{len(replicas)} drafter threads on {cfg.drafter_devices}, {len(targets)} target thread(s) on "
+            f"{cfg.target_devices}" + (f"; in each of {ranks.world_size} ranks" if ranks.world_size > 1 else ""),
+            flush=True,
+        )
 
-    metrics = MetricsLog(out / "metrics.jsonl", append=cfg.resume, started=started)
+    metrics = MetricsLog(out / "metrics.jsonl" if ranks.is_main else None, append=cfg.resume, started=started)
     prompts = eval_prompts(corpus.held_out, cfg.eval_prompts, cfg.eval_prompt_len) if cfg.eval_prompts else []
 
     def evaluate(step: int, when: str) -> float | None:
+        """tau, on rank 0 only: the others wait without the step timeout, however long it takes (rather
+        than evaluating too, which would compete with rank 0 for the cores of a shared host)."""
         if not prompts:
             return None
-        tau, generations = acceptance_length(targets[0], replicas[0], prompts, cfg.eval_new_tokens)
-        metrics.write("eval", step=step, tau=tau)
-        sample = show_blocks(generations[0], cfg.eval_prompt_len, tokenizer.decode)
-        print(
-            f"tau {when}: {tau:.2f} (mean tokens per target forward, {len(prompts)} held-out prompts x "
-            f"{cfg.eval_new_tokens} tokens, block {cfg.block_size}); blocks of the first: {sample!r}",
-            flush=True,
-        )
+        tau = None
+        if ranks.is_main:
+            tau, generations = acceptance_length(targets[0], replicas[0], prompts, cfg.eval_new_tokens)
+            metrics.write("eval", step=step, tau=tau)
+            sample = show_blocks(generations[0], cfg.eval_prompt_len, tokenizer.decode)
+            print(
+                f"tau {when}: {tau:.2f} (mean tokens per target forward, {len(prompts)} held-out prompts x "
+                f"{cfg.eval_new_tokens} tokens, block {cfg.block_size}); blocks of the first: {sample!r}",
+                flush=True,
+            )
+        collectives.wait_for_others()
         return tau
 
     try:
@@ -160,9 +191,29 @@ def train(config: TrainConfig) -> TrainResult:
         for replica, device in zip(replicas, drafter_devices):
             if cfg.compile and device.type == "cpu":
                 replica.compile_layers(cfg.backend)
-        with cpu_thread_budget(sum(d.type == "cpu" for d in [*drafter_devices, *target_devices])):
-            run = _run_threads(cfg, targets, replicas, optimizers, drafter_devices, tokens, start, end, metrics, ckpt)
+        cpu_workers = sum(d.type == "cpu" for d in [*drafter_devices, *target_devices]) * ranks.local_world_size
+        with cpu_thread_budget(cpu_workers):
+            run = _run_threads(
+                cfg,
+                ranks,
+                collectives,
+                targets,
+                replicas,
+                optimizers,
+                drafter_devices,
+                tokens,
+                start,
+                end,
+                metrics,
+                ckpt,
+            )
         tau_after = None if run.interrupted or run.steps_done == start else evaluate(run.steps_done, "after training")
+        dynamo = dynamo_summary()
+        # Every rank's first-step times and compile counters go to rank 0's metrics.
+        for rank, (times, counters) in enumerate(collectives.gather((run.first_step_s, dynamo))):
+            for thread, seconds in times.items():
+                metrics.write("first_step", rank=rank, thread=thread, seconds=seconds)
+            metrics.write("dynamo", rank=rank, **counters)
         metrics.write(
             "summary",
             steps_done=run.steps_done,
@@ -174,8 +225,9 @@ def train(config: TrainConfig) -> TrainResult:
         )
     finally:
         metrics.close()
-    if run.steps_done > start:
+    if ranks.is_main and run.steps_done > start:
         plot_metrics(out / "metrics.jsonl", out / "plot.png")
+    collectives.close()
     return TrainResult(
         run.steps_done,
         tau_before,
@@ -186,7 +238,26 @@ def train(config: TrainConfig) -> TrainResult:
         run.interrupted,
         out,
         replicas,
+        run.first_step_s,
+        dynamo,
     )
+
+
+def dynamo_summary() -> dict[str, object]:
+    """Whether torch.compile ran everything it was given compiled (issues 4 and 7): graphs compiled,
+    graph breaks (part of a function ran eagerly) and frames that failed to compile (all of it ran
+    eagerly), from Dynamo's process-wide counters (the same keys in torch 2.0 - 2.15)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    failed = counters["frames"]["total"] - counters["frames"]["ok"]
+    return {
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(breaks.values()),
+        "frames_failed": failed,
+        "eager_fallback": bool(breaks) or failed > 0,
+        "graph_break_reasons": sorted(breaks)[:5],
+    }
 
 
 @dataclass
@@ -195,10 +266,13 @@ class _Run:
     final_loss: float | None
     tokens_per_s: float | None
     interrupted: bool
+    first_step_s: dict[str, float]
 
 
 def _run_threads(
     cfg: TrainConfig,
+    ranks: Ranks,
+    collectives: Collectives,
     targets: list[Target],
     replicas: list[Drafter],
     optimizers: list[torch.optim.Optimizer],
@@ -211,57 +285,66 @@ def _run_threads(
 ) -> _Run:
     """Start the target and drafter threads for steps [start, end); report progress until they finish."""
     if start >= end:
-        return _Run(start, None, None, False)
-    job = Job()
-    sync = StepSync(replicas, job)
+        return _Run(start, None, None, False, {})
+    job = Job(metrics.started)
+    sync = StepSync(replicas, job, collectives)
     inboxes: list[queue.Queue] = [queue.Queue(maxsize=cfg.queue_size) for _ in replicas]
-    make_batch = partial(
-        make_step_batch,
-        tokens,
-        batch_size=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        num_anchors=cfg.num_anchors,
-        block_size=cfg.block_size,
-        gamma=cfg.loss_gamma,
-        seed=cfg.seed,
-    )
+
+    def make_batch(step: int) -> StepBatch:
+        """This rank's shard of the step's batch: the job's global batch and loss normalisation are those of
+        one process with all the job's replicas."""
+        batch = make_step_batch(
+            tokens,
+            step,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            num_anchors=cfg.num_anchors,
+            block_size=cfg.block_size,
+            gamma=cfg.loss_gamma,
+            seed=cfg.seed,
+        )
+        return batch.split(ranks.world_size)[ranks.rank]
+
+    fault = cfg.fault if ranks.is_last else ""  # one failing rank is the interesting case
     turnstile = Turnstile(start)
     for i, target in enumerate(targets):
         steps = range(start + i, end, len(targets))
         job.start(
             f"target-{i} ({target.device})",
-            partial(target_worker, job, target, make_batch, steps, turnstile, inboxes, devices, cfg.fault),
+            partial(target_worker, job, target, make_batch, steps, turnstile, inboxes, devices, fault),
         )
 
-    def after_step(done: int, last: bool) -> None:  # runs in drafter thread 0, between its steps
+    def after_step(done: int, last: bool) -> None:  # runs in drafter thread 0 of rank 0, between its steps
         if last or (cfg.save_every and done % cfg.save_every == 0):
             save_checkpoint(ckpt, replicas[0], optimizers[0], done, cfg)
 
-    for rank, (replica, optimizer, device) in enumerate(zip(replicas, optimizers, devices)):
+    for index, (replica, optimizer, device) in enumerate(zip(replicas, optimizers, devices)):
         job.start(
-            f"drafter-{rank} ({device})",
+            f"drafter-{index} ({device})",
             partial(
                 drafter_worker,
                 job,
-                rank,
+                index,
                 replica,
                 optimizer,
-                inboxes[rank],
+                inboxes[index],
                 sync,
                 range(start, end),
                 lr_at=lr_schedule(cfg),
                 grad_clip=cfg.grad_clip,
                 flex=device.type == "cuda" and cfg.compile,
                 chunk_blocks=cfg.loss_chunk,
-                fault=cfg.fault,
-                after_step=after_step if rank == 0 else None,
+                fault=fault,
+                after_step=after_step if index == 0 and ranks.is_main else None,
             ),
         )
 
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    bar = tqdm(total=end, initial=start, desc="drafter", unit="step", disable=not cfg.progress, dynamic_ncols=True)
+    tokens_per_step = cfg.batch_size * cfg.seq_len  # the job's, all ranks together
+    show = cfg.progress and ranks.is_main
+    bar = tqdm(total=end, initial=start, desc="drafter", unit="step", disable=not show, dynamic_ncols=True)
     drafters = [t for t in job.threads if t.name.startswith("drafter")]
     done, loss, first_report, rate = start, None, None, None
+    first_step_s: dict[str, float] = {}
     with Watchdog(job, cfg.watchdog_timeout), bar:
         while job.failure is None:
             try:
@@ -269,7 +352,10 @@ def _run_threads(
                     event = job.events.get(timeout=0.2)
                 except queue.Empty:
                     if not any(t.is_alive() for t in drafters):
-                        break  # all reports are in: rank 0 posts before it leaves
+                        break  # all reports are in: replica 0 posts before it leaves
+                    continue
+                if event.pop("type") == "first_step":
+                    first_step_s[event["thread"]] = event["seconds"]
                     continue
                 now = time.monotonic()
                 done, loss = event["step"], event["loss"]
@@ -293,4 +379,5 @@ def _run_threads(
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
     if job.failure is not None:
         raise job.failure
-    return _Run(done, loss, rate, job.stop_requested.is_set() and done < end)
+    # Stopped early: by Ctrl-C, here or on another rank (the stop decision is the job's).
+    return _Run(done, loss, rate, done < end, first_step_s)

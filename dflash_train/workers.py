@@ -25,6 +25,7 @@ import torch
 
 from .batch import StepBatch
 from .config import FAULT_SPEC
+from .distributed import Collectives
 from .model import Drafter
 from .target import Target
 
@@ -44,7 +45,8 @@ class _Leave(Exception):
 
 
 class Job:
-    def __init__(self) -> None:
+    def __init__(self, started: float) -> None:
+        self.started = started  # time.monotonic() at the start of the whole job (first-step times)
         self.stop_requested = threading.Event()  # Ctrl-C: finish the current step, checkpoint, leave
         self.shutdown = threading.Event()  # every worker must leave now
         self.failure: WorkerFailed | None = None
@@ -170,31 +172,38 @@ def target_worker(
 class GradientAverager:
     """Replaces every replica's gradients with their mean, in place and bit-identical everywhere.
 
-    The one place data parallelism happens: across processes, a ``torch.distributed.all_reduce`` of
-    the local mean slots in here."""
+    The one place data parallelism happens. Under torchrun, the rank-local mean gradients and the
+    step's statistics are flattened into one buffer and averaged across the ranks by one all-reduce."""
 
-    def __init__(self, replicas: list[Drafter]):
+    def __init__(self, replicas: list[Drafter], collectives: Collectives):
         self.groups = list(zip(*(list(r.parameters()) for r in replicas)))
+        self.collectives = collectives
 
     @torch.no_grad()
-    def __call__(self) -> None:
-        for params in self.groups:
-            grads = [p.grad for p in params]
-            if grads[0] is None:
-                continue
-            mean = torch.stack([g.to(grads[0].device) for g in grads]).mean(0)
-            for g in grads:
-                g.copy_(mean)
+    def __call__(self, stats: torch.Tensor) -> torch.Tensor:
+        """Average the gradients; return ``stats`` (this rank's figures) averaged over the ranks."""
+        groups = [params for params in self.groups if params[0].grad is not None]
+        means = [torch.stack([p.grad.to(params[0].grad.device) for p in params]).mean(0) for params in groups]
+        if self.collectives.ranks.world_size > 1:
+            flat = torch.cat([*(m.flatten() for m in means), stats.to(means[0])])
+            self.collectives.mean_(flat)
+            *parts, stats = flat.split([*(m.numel() for m in means), stats.numel()])
+            means = [part.view_as(m) for part, m in zip(parts, means)]
+        for params, mean in zip(groups, means):
+            for p in params:
+                p.grad.copy_(mean)
+        return stats
 
 
 class StepSync:
     """The drafter threads' rendezvous after each backward. The last thread to arrive averages the
-    gradients and takes the step's stop decision, so every replica leaves after the same step."""
+    gradients (across ranks too) and takes the step's stop decision, so every replica of every rank
+    leaves after the same step."""
 
-    def __init__(self, replicas: list[Drafter], job: Job):
+    def __init__(self, replicas: list[Drafter], job: Job, collectives: Collectives):
         self.job = job
         self.size = len(replicas)
-        self.average = GradientAverager(replicas)
+        self.average = GradientAverager(replicas, collectives)
         self._stats: list[tuple[torch.Tensor, torch.Tensor, int]] = [None] * self.size  # type: ignore[list-item]
         self.report: dict[str, float] = {}
         self.stop = False
@@ -202,22 +211,35 @@ class StepSync:
         job.on_shutdown(self.barrier.abort)
 
     def _at_barrier(self) -> None:
-        self.average()
-        # Each replica's loss is already scaled so that the mean over replicas is the step loss.
-        loss = sum(float(loss) for loss, _, _ in self._stats) / self.size
-        correct = sum(int(c) for _, c, _ in self._stats)
-        labels = sum(n for _, _, n in self._stats)
+        # Each replica's loss is already scaled so that the mean over replicas is the step loss. The
+        # counts are averaged over ranks too, which leaves their ratio (the accuracy) as it is.
+        local = torch.tensor(
+            [
+                sum(float(loss) for loss, _, _ in self._stats) / self.size,
+                sum(int(c) for _, c, _ in self._stats),
+                sum(n for _, _, n in self._stats),
+                float(self.job.stop_requested.is_set()),  # Ctrl-C on any rank stops every rank
+            ],
+            dtype=torch.float64,
+        )
+        try:
+            loss, correct, labels, stop = self.average(local).tolist()
+        except BaseException:
+            # A failed collective (another rank died): report it before the other threads see a
+            # broken barrier and report that instead.
+            self.job.fail(threading.current_thread().name)
+            raise
         self.report = {"loss": loss, "acc": correct / max(1, labels)}
-        self.stop = self.job.stop_requested.is_set()
+        self.stop = stop > 0
 
-    def wait(self, rank: int, loss: torch.Tensor, correct: torch.Tensor, labels: int) -> None:
-        self._stats[rank] = (loss.detach(), correct, labels)
+    def wait(self, index: int, loss: torch.Tensor, correct: torch.Tensor, labels: int) -> None:
+        self._stats[index] = (loss.detach(), correct, labels)
         self.barrier.wait()
 
 
 def drafter_worker(
     job: Job,
-    rank: int,
+    index: int,
     replica: Drafter,
     optimizer: torch.optim.Optimizer,
     inbox: queue.Queue,
@@ -231,17 +253,18 @@ def drafter_worker(
     fault: str,
     after_step: Callable[[int, bool], None] | None,
 ) -> None:
-    """Train ``replica`` for ``steps``. Rank 0 reports each step and calls ``after_step(done, last)``
-    (checkpointing) with the number of steps done and whether the run ends there."""
+    """Train ``replica`` for ``steps``. Replica 0 reports each step and calls ``after_step(done, last)``
+    (checkpointing) with the number of steps done and whether the run ends there. Every replica reports
+    when its first step is done (with compilation, the time a user waits for training to start)."""
     replica.train()
     for step in steps:
-        if rank == sync.size - 1:
+        if index == sync.size - 1:
             inject_fault(fault, "drafter", step)
         batch: StepBatch = job.get(inbox)  # type: ignore[assignment]
-        assert batch.step == step, f"replica {rank} expected step {step}, got {batch.step}"
+        assert batch.step == step, f"replica {index} expected step {step}, got {batch.step}"
         loss, correct = replica.training_loss(batch, flex=flex, chunk_blocks=chunk_blocks)
         loss.backward()
-        sync.wait(rank, loss, correct, int((batch.weights > 0).sum()))
+        sync.wait(index, loss, correct, int((batch.weights > 0).sum()))
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(replica.parameters(), grad_clip)
         for group in optimizer.param_groups:
@@ -249,9 +272,12 @@ def drafter_worker(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         job.progress()
+        if step == steps[0]:
+            seconds = round(time.monotonic() - job.started, 3)
+            job.events.put({"type": "first_step", "thread": threading.current_thread().name, "seconds": seconds})
         last = sync.stop or step == steps[-1]
-        if rank == 0:
-            job.events.put({"step": step + 1, **sync.report, "lr": lr_at(step)})
+        if index == 0:
+            job.events.put({"type": "train", "step": step + 1, **sync.report, "lr": lr_at(step)})
             if after_step is not None:
                 after_step(step + 1, last)
         if last:
