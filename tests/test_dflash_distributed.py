@@ -4,15 +4,19 @@ fails stops the whole job with its error instead of hanging it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from test_dflash_cli import REPO, run_cli, tiny_flags
 
@@ -123,3 +127,36 @@ def test_ranks_with_different_thread_counts_get_one_message(tmp_path):
     assert [p.returncode for p in procs] == [2, 2], errors
     for rank, err in enumerate(errors):
         assert f"every rank needs the same number of drafter threads: here {rank + 1}, on the ranks 1 to 2" in err
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    """The process of ``rank`` among the children of the torchrun process ``launcher`` (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == launcher and f"\0RANK={rank}\0" in (stat.parent / "environ").read_text():
+                return int(stat.parent.name)
+    raise AssertionError(f"no process of rank {rank}")
+
+
+def test_ctrl_c_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen(
+        [sys.executable, *TWO_RANKS, "-m", "dflash_train", *flags(tmp_path, "run"), "--steps", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and '"train"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        os.kill(rank_pid(proc.pid, 1), signal.SIGINT)  # rank 0 must stop with it, at the same step
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "dflash-train: interrupted at step" in stderr and "--resume" in stderr, stderr  # rank 0's report
+    step = int(stderr.split("interrupted at step ")[1].split(";")[0])
+    with safe_open(str(tmp_path / "run" / "checkpoint.safetensors"), framework="pt") as f:
+        assert int(f.metadata()["step"]) == step
