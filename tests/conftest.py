@@ -29,6 +29,8 @@ HAS_H4 = TORCH_VERSION.release < (2, 16)
 HAS_H5_SWITCH = TORCH_VERSION.release >= (2, 9)
 # Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
+# Threads missing Dynamo's cache together compile a frame once each (every release); the fix needs 2.6+.
+HAS_RECHECK_FIX = TORCH_VERSION.release >= (2, 6)
 
 
 @dataclass
@@ -49,6 +51,10 @@ def run_python(
 ) -> Ran:
     """Run ``code`` in a new interpreter. ``disable`` sets TORCHFIX_DISABLE (``"1"`` for all)."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    # Inductor forks its compile-worker pool when it is imported, which can be mid-run, from a compiling
+    # thread. The scenarios never use those workers, and on a loaded 2-core machine a pool forked beside
+    # live threads hung interpreter exit past the timeout (torch 2.3).
+    full_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if disable is not None:
         full_env["TORCHFIX_DISABLE"] = disable
     full_env.update(env or {})

@@ -39,7 +39,7 @@ def test_patches_dir_has_not_drifted():
     if not PATCHES.is_dir():
         pytest.skip(f"patches/ has no directory for torch {TORCH_VERSION.base_version}")
     ran = run_ok("""
-import json, torch, torchfix
+import json, torch, torch._dynamo, torchfix
 from torchfix import fixes
 from torchfix.__main__ import _installed_reader
 applied = {s.name for s in torchfix.status() if s.state.value == "applied"}

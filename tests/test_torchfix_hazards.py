@@ -1,11 +1,12 @@
-"""H1 - H4 forced with events, each with torchfix and with its fix disabled (TORCHFIX_DISABLE).
+"""H1 - H4 and cold-start duplicate compiles, forced with events, each with torchfix and with its fix
+disabled (TORCHFIX_DISABLE).
 
 Without torchfix the hazard must show on every torch that has it (a test that passes either way
 proves nothing); with torchfix it must be gone.
 """
 
 import pytest
-from conftest import HAS_H1, HAS_H2, HAS_H3, HAS_H4, HAS_H6, run_ok
+from conftest import HAS_H1, HAS_H2, HAS_H3, HAS_H4, HAS_H6, HAS_RECHECK_FIX, run_ok
 
 SCENARIO = """
 import dataclasses, json, sys
@@ -63,6 +64,16 @@ def test_h4_many_threads_tracing_at_once(disabled):
     assert result["hazard"] == (disabled and HAS_H4), result
     if not disabled:
         assert result["detail"] == "all 20 traces correct", result
+
+
+@pytest.mark.parametrize("sizes", [None, (2, 3, 2)], ids=["same-input", "one-input-the-guards-reject"])
+def test_threads_starting_together_compile_once(sizes, disabled):
+    # 3 threads: one compiles while the other two wait for compile_lock; only a thread whose input the
+    # first compile's guards reject compiles again. Before torch 2.6 the fix is unsupported: the hazard stays.
+    result = scenario(f"_selftest.duplicate_compiles(3, sizes={sizes})", disabled, fix="compile-cache-recheck")
+    assert result["hazard"] == (disabled or not HAS_RECHECK_FIX), result
+    if HAS_RECHECK_FIX and not disabled:
+        assert result["detail"].startswith(f"{1 if sizes is None else 2} compiles"), result
 
 
 @pytest.mark.parametrize("propagate", [False, True], ids=["as-is", "propagate_config"])

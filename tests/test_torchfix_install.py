@@ -1,7 +1,7 @@
 """Import orderings and the install/uninstall lifecycle, each in a fresh interpreter."""
 
 import pytest
-from conftest import HAS_H1, HAS_H3, HAS_H4, run_ok
+from conftest import HAS_H1, HAS_H3, HAS_H4, HAS_RECHECK_FIX, run_ok
 
 needs_h1 = pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ keeps the FX flag per thread itself")
 
@@ -143,3 +143,53 @@ print(json.dumps({"states": [states["compiler-flags"], states["trace-patch-isola
         "restored": True,
         "after_uninstall": [True, True],
     }
+
+
+# compile-cache-recheck patches Dynamo, which `import torch` does not load: it waits for that import.
+RECHECK_LIFECYCLE = """
+import json, sys
+{prelude}
+import torchfix
+def state():
+    return {{s.name: s.state.value for s in torchfix.status()}}["compile-cache-recheck"]
+seen = {{"at_import": state()}}
+{steps}
+import torch._dynamo.convert_frame as cf
+seen["after_dynamo"] = state()
+seen["helper"] = "_compile_unless_cached" in vars(cf)
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(not HAS_RECHECK_FIX, reason="compile-cache-recheck needs torch 2.6+")
+@pytest.mark.parametrize(
+    "prelude, steps, expected",
+    [
+        ("import torch", "", {"at_import": "pending import", "after_dynamo": "applied", "helper": True}),
+        ("import torch._dynamo", "", {"at_import": "applied", "after_dynamo": "applied", "helper": True}),
+        ("", "torchfix.uninstall()", {"at_import": "pending import", "after_dynamo": "not installed", "helper": False}),
+        (
+            "",
+            "torchfix.uninstall(); torchfix.install()",
+            {"at_import": "pending import", "after_dynamo": "applied", "helper": True},
+        ),
+    ],
+    ids=["dynamo-later", "dynamo-first", "uninstalled-before-dynamo", "reinstalled-before-dynamo"],
+)
+def test_fix_that_waits_for_dynamo(prelude, steps, expected):
+    assert run_ok(RECHECK_LIFECYCLE.format(prelude=prelude, steps=steps)).json() == expected
+
+
+@pytest.mark.skipif(not HAS_RECHECK_FIX, reason="compile-cache-recheck needs torch 2.6+")
+def test_uninstall_restores_dynamo_callback():
+    ran = run_ok("""
+import json
+import torch._dynamo.convert_frame as cf
+original = cf.CatchErrorsWrapper.__call__.__code__
+import torchfix
+patched = cf.CatchErrorsWrapper.__call__.__code__ is not original
+torchfix.uninstall()
+print(json.dumps({"patched": patched, "restored": cf.CatchErrorsWrapper.__call__.__code__ is original,
+                  "helper": "_compile_unless_cached" in vars(cf)}))
+""").json()
+    assert ran == {"patched": True, "restored": True, "helper": False}

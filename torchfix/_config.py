@@ -40,6 +40,7 @@ def propagate_config() -> list[str]:
     if not config_is_per_thread():
         return []
     import torch.utils._config_module as config_module
+
     propagated = []
     for module in list(sys.modules.values()):
         if not isinstance(module, config_module.ConfigModule):

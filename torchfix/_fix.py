@@ -62,6 +62,12 @@ class Fix:
     versions: SpecifierSet  # the torch releases whose source the patches were written against
     probe: Callable[[], str | None]
     patches: Callable[[str], list[Patch]]  # torch version -> fresh patch objects (they hold their undo state)
+    # The module whose import applies the fix: torch, or a part of torch that `import torch` does not load
+    # (importing it early would slow every program down).
+    trigger: str = "torch"
+    # A hazard that costs time but breaks nothing: where the fix cannot apply, status() says so, without a
+    # warning (or, in strict mode, an error) in every program that compiles.
+    hazard_is_cost: bool = False
 
     def supports(self, torch_version: str) -> bool:
         try:

@@ -2,7 +2,8 @@
 
 If torch is imported already, fixes apply at once. If not, a post-import hook (wrapt) applies them the
 moment ``import torch`` finishes, so the import order never matters: either way the same patches run
-on a fully imported torch, and the ``__code__`` swap reaches references taken before.
+on a fully imported torch, and the ``__code__`` swap reaches references taken before. A fix whose
+trigger is a part of torch that ``import torch`` does not load (Dynamo) waits for that import the same way.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ class TorchfixError(RuntimeError):
 _lock = threading.RLock()
 _statuses: dict[str, FixStatus] = {}
 _applied: list[tuple[Fix, list[Patch]]] = []
-# Each install that waits for torch gets a new generation; uninstall moves on, so a hook registered
-# earlier and fired later finds itself stale and does nothing (wrapt has no way to unregister a hook).
+_installed = False
+# Bumped by uninstall: a hook registered by an earlier install() that fires later finds itself stale
+# and does nothing (wrapt has no way to unregister a hook).
 _generation = 0
-_pending_generation: int | None = None
 
 
 def _strict() -> bool:
@@ -67,36 +68,34 @@ def _set(status: FixStatus) -> None:
 
 
 def install() -> list[FixStatus]:
-    """Apply every fix this torch needs (now, or when torch is imported). Idempotent."""
-    global _generation, _pending_generation
+    """Apply every fix this torch needs (now, or when its trigger module is imported). Idempotent."""
+    global _installed
     with _lock:
-        if _applied or _pending_generation is not None:
+        if _installed:
             return status()
+        _installed = True
         off = disabled_fixes()
         for fix in fixes.ALL:
             if fix.name in off:
                 _set(FixStatus(fix.name, State.DISABLED, "TORCHFIX_DISABLE"))
-        active = [fix for fix in fixes.ALL if fix.name not in off]
-        if not active:
-            return status()
-        if "torch" in sys.modules:
-            _apply(active)
-        else:
-            for fix in active:
-                _set(FixStatus(fix.name, State.PENDING, "applied when torch is imported"))
-            _generation += 1
-            _pending_generation = generation = _generation
-            wrapt.register_post_import_hook(lambda _torch: _on_torch_import(generation, active), "torch")
+        waiting: dict[str, list[Fix]] = {}
+        for fix in fixes.ALL:
+            if fix.name not in off:
+                waiting.setdefault(fix.trigger, []).append(fix)
+        for trigger, group in waiting.items():
+            if trigger in sys.modules:
+                _apply(group)
+                continue
+            for fix in group:
+                _set(FixStatus(fix.name, State.PENDING, f"applied when {trigger} is imported"))
+            wrapt.register_post_import_hook(lambda _m, g=_generation, fs=group: _on_import(g, fs), trigger)
         return status()
 
 
-def _on_torch_import(generation: int, active: list[Fix]) -> None:
-    global _pending_generation
+def _on_import(generation: int, group: list[Fix]) -> None:
     with _lock:
-        if generation != _pending_generation:
-            return  # uninstalled (and maybe reinstalled) before torch was imported
-        _pending_generation = None
-        _apply(active)
+        if generation == _generation and _installed:  # else uninstalled since (maybe reinstalled)
+            _apply(group)
 
 
 def _apply(active: list[Fix]) -> None:
@@ -108,15 +107,16 @@ def _apply(active: list[Fix]) -> None:
         _set(fix_status)
         if patches:
             _applied.append((fix, patches))
-        elif fix_status.state is State.UNSUPPORTED:
+        elif fix_status.state is State.UNSUPPORTED and not fix.hazard_is_cost:
             _complain(f"torchfix: {fix_status.name} not applied: {fix_status.reason}. Hazard: {fix.hazard}.")
 
 
 def uninstall() -> list[FixStatus]:
     """Restore torch's original code and state, and cancel fixes still waiting for ``import torch``."""
-    global _pending_generation
+    global _installed, _generation
     with _lock:
-        _pending_generation = None
+        _installed = False
+        _generation += 1
         while _applied:
             _fix, patches = _applied.pop()
             revert_all(patches)

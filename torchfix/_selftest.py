@@ -9,6 +9,7 @@ Run them in a process you can throw away: on an unpatched torch, H2 leaves the p
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -350,15 +351,94 @@ def many_threads(rounds: int = 20, callers: int = 4, timeout: float = 60.0) -> R
     )
 
 
+def _in_compile_callback(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is in Dynamo's compile callback: its cache lookup missed, and it is compiling or
+    waiting for ``compile_lock`` (``catch_errors`` before torch 2.4, ``CatchErrorsWrapper.__call__`` after)."""
+    import sys
+
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "catch_errors" or (
+            code.co_name == "__call__" and code.co_filename.endswith("convert_frame.py")
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def duplicate_compiles(threads: int = 3, timeout: float = 60.0, sizes: tuple[int, ...] | None = None) -> Result:
+    """Cold start: one thread compiles a function while ``threads - 1`` others call it. Their cache lookups
+    miss, they wait for ``compile_lock``, and then each compiles the same frame again, unless the cache is
+    looked up once more after the lock (the first compile is held open until every other thread waits).
+
+    ``sizes``: thread i calls with a tensor of ``sizes[i]`` elements (default 2 for all); a thread whose
+    input the first compile's guards reject must compile its own. Every thread checks its result."""
+    import torch
+
+    sizes = sizes or (2,) * threads
+    compiled_by: list[str] = []
+    first_compile = threading.Event()
+    callers: list[threading.Thread] = []
+    errors: list[BaseException] = []
+
+    def held_backend(gm, example_inputs):
+        compiled_by.append(threading.current_thread().name)
+        if len(compiled_by) == 1:
+            first_compile.set()
+            waiting = threading.Event()  # never set: its wait() paces the polling
+            while not all(_in_compile_callback(t) for t in callers):
+                if waiting.wait(0.005) or not any(t.is_alive() for t in callers):
+                    break
+        return gm.forward
+
+    # A code object of its own: Dynamo's cache (and its recompile limit) is per code object.
+    fresh = types.FunctionType(_add_one.__code__.replace(), globals(), "_add_one")
+    compiled = torch.compile(fresh, backend=held_backend)
+
+    def call(size: int) -> None:
+        try:
+            x = torch.arange(float(size))
+            if not torch.equal(compiled(x), x + 1):
+                raise AssertionError(f"wrong result for {size} elements")
+        except BaseException as exc:
+            errors.append(exc)
+
+    first = threading.Thread(target=call, args=(sizes[0],), name="compile-0", daemon=True)
+    callers += [
+        threading.Thread(target=call, args=(sizes[i],), name=f"compile-{i}", daemon=True) for i in range(1, threads)
+    ]
+    first.start()
+    if not first_compile.wait(timeout):
+        raise TimeoutError("the first thread never started compiling")
+    for thread in callers:
+        thread.start()
+    for thread in [first, *callers]:
+        thread.join(timeout)
+    if errors:
+        raise errors[0]
+    shapes = len(set(sizes))
+    detail = f"{len(compiled_by)} compiles of one function by {threads} threads starting together ({shapes} shape(s))"
+    return Result(f"cold start ({threads} threads, one function)", len(compiled_by) > shapes, detail)
+
+
 def run_all(timeout: float = 60.0) -> list[Result]:
     """Every scenario this torch has. Without the fixes, H2 and H4 can leave the process broken (a stuck
     flag, ``nn.Module`` left patched): they run last, and a scenario that raises because an earlier one
     broke the process is reported as a failure rather than stopping the report."""
+    import torch
+
+    from .fixes import compile_cache_recheck
+
+    # Before torch 2.6 every thread compiles its own copy, fix or not (a cost: not a failure to report).
+    supported = compile_cache_recheck.FIX.supports(torch.__version__)
+    cold_start = [("cold start", lambda: duplicate_compiles(3, timeout))] if supported else []
     scenarios: list[tuple[str, Callable[[], Result | None]]] = [
         ("H1 symbolic_trace", lambda: h1_nested_trace_error("symbolic_trace", timeout)),
         ("H1 make_fx", lambda: h1_nested_trace_error("make_fx", timeout)),
         ("H3", lambda: h3_is_compiling_elsewhere(timeout)),
         ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
+        *cold_start,
         ("H2", lambda: h2_stuck_flag(timeout)),
         ("H4 cond", lambda: h4_trace_patches_leak("cond", timeout)),
         ("H4 symbolic_trace", lambda: h4_trace_patches_leak("symbolic_trace", timeout)),
