@@ -1,4 +1,5 @@
-"""python -m bench [overhead] [--quick] [--out DIR]: print a table and write JSON per benchmark."""
+"""python -m bench [overhead] [coldstart] [trainer] [--device DEV] [--quick] [--out DIR]: print a table and
+write JSON per benchmark."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import argparse
 import json
 from pathlib import Path
 
-from . import coldstart, overhead
+from . import coldstart, overhead, trainer
 
-BENCHMARKS = {"overhead": overhead, "coldstart": coldstart}
+BENCHMARKS = {"overhead": overhead, "coldstart": coldstart, "trainer": trainer}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,12 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", choices=[[], *BENCHMARKS], help="benchmarks to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     parser.add_argument("--out", default="bench/results", help="where to write <name>.json")
-    parser.add_argument("--device", default="cpu", help="device for coldstart (cpu, cuda:0, ...)")
+    parser.add_argument("--device", default="cpu", help="device for coldstart and trainer (cpu, cuda:0, ...)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.names or list(BENCHMARKS):
-        options = {"device": args.device} if name == "coldstart" else {}
+        options = {"device": args.device} if name in ("coldstart", "trainer") else {}
         result = BENCHMARKS[name].run(quick=args.quick, **options)
         print(f"== {name}\n{BENCHMARKS[name].table(result)}")
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))

@@ -107,6 +107,11 @@ class TrainConfig:
         "under torchrun: seconds a step's all-reduce waits for the other ranks before failing, so that a dead or "
         "stuck rank stops the job instead of hanging it",
     )
+    ranks_share_devices: bool = _opt(
+        False,
+        "under torchrun: every rank uses the devices as named (no per-local-rank shift), and the ranks' all-reduce "
+        "goes over gloo, since NCCL cannot put two ranks on one GPU (one process per replica on a shared GPU)",
+    )
     progress: bool = _opt(True, "show a progress bar")
     fault: str = _opt(
         "",

@@ -33,16 +33,18 @@ ONE_OFF_WORK_TIMEOUT = timedelta(days=1)
 
 
 class Collectives:
-    """The process group of a torchrun job (gloo for CPU drafters, NCCL for CUDA ones), or nothing."""
+    """The process group of a torchrun job (gloo for CPU drafters, NCCL for CUDA ones unless the ranks
+    share devices), or nothing."""
 
-    def __init__(self, ranks: Ranks, device: torch.device, timeout_s: float):
+    def __init__(self, ranks: Ranks, device: torch.device, timeout_s: float, gloo_only: bool = False):
         self.ranks = ranks
         self.device = device  # where collective buffers live: the rank's first drafter device
         if ranks.world_size == 1:
             return
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # gloo all-reduces CUDA tensors too (through host memory): the way for ranks that share a GPU.
+        backend = "nccl" if device.type == "cuda" and not gloo_only else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         # The steps' collectives fail after ``timeout_s``; waits for one-off work use this group.
         self._patient = dist.new_group(backend="gloo", timeout=ONE_OFF_WORK_TIMEOUT)

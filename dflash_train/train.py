@@ -65,6 +65,8 @@ def cuda_offset(cfg: TrainConfig, ranks: Ranks) -> int:
     """How far this rank shifts the CUDA indices of the device flags, which name devices as one rank
     sees them: local rank L uses cuda:(i + L * N) for cuda:i, N = the highest index named + 1 (the
     number of GPUs one rank uses, when they are cuda:0..N-1), so the ranks of a host share no GPU."""
+    if cfg.ranks_share_devices:
+        return 0
     names = [n for spec in (cfg.target_devices, cfg.drafter_devices) for n in parse_devices(spec, "devices")]
     indices = [int(n.partition(":")[2] or 0) for n in names if n.startswith("cuda")]
     return ranks.local_rank * (max(indices) + 1) if indices else 0
@@ -136,7 +138,7 @@ def train(config: TrainConfig) -> TrainResult:
         for d in resolve_devices(cfg.drafter_devices, "--drafter-devices", offset)
         for _ in range(cfg.drafter_threads_per_device)
     ]
-    collectives = Collectives(ranks, drafter_devices[0], cfg.dist_timeout)
+    collectives = Collectives(ranks, drafter_devices[0], cfg.dist_timeout, gloo_only=cfg.ranks_share_devices)
     collectives.check_same(len(drafter_devices), "drafter threads")
 
     with collectives.local_main_first():  # one process per host fills the cache, the others read it
@@ -209,11 +211,13 @@ def train(config: TrainConfig) -> TrainResult:
             )
         tau_after = None if run.interrupted or run.steps_done == start else evaluate(run.steps_done, "after training")
         dynamo = dynamo_summary()
-        # Every rank's first-step times and compile counters go to rank 0's metrics.
-        for rank, (times, counters) in enumerate(collectives.gather((run.first_step_s, dynamo))):
+        memory = peak_memory({*target_devices, *drafter_devices})
+        # Every rank's first-step times, compile counters and peak memory go to rank 0's metrics.
+        for rank, (times, counters, peaks) in enumerate(collectives.gather((run.first_step_s, dynamo, memory))):
             for thread, seconds in times.items():
                 metrics.write("first_step", rank=rank, thread=thread, seconds=seconds)
             metrics.write("dynamo", rank=rank, **counters)
+            metrics.write("memory", rank=rank, **peaks)
         metrics.write(
             "summary",
             steps_done=run.steps_done,
@@ -241,6 +245,19 @@ def train(config: TrainConfig) -> TrainResult:
         run.first_step_s,
         dynamo,
     )
+
+
+def peak_memory(devices: set[torch.device]) -> dict[str, float]:
+    """This process's peak memory in GiB: allocated by torch on each CUDA device, and resident (host)."""
+    peaks = {
+        str(d): torch.cuda.max_memory_allocated(d) / 2**30 for d in sorted(devices, key=str) if d.type == "cuda"
+    }
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return peaks
+    peaks["host_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return peaks
 
 
 def dynamo_summary() -> dict[str, object]:

@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["overhead", "coldstart"])
+@pytest.mark.parametrize("name", ["overhead", "coldstart", "trainer"])
 def test_benchmark_smoke(name, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench", name, "--quick", "--out", str(tmp_path)],
@@ -23,3 +23,5 @@ def test_benchmark_smoke(name, tmp_path):
     assert f"== {name}" in proc.stdout
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["torch"]
+    # Every configuration ran (a failed one is reported, not raised).
+    assert not [row for row in result.get("rows", []) if "error" in row], result

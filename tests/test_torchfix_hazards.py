@@ -66,14 +66,19 @@ def test_h4_many_threads_tracing_at_once(disabled):
         assert result["detail"] == "all 20 traces correct", result
 
 
-@pytest.mark.parametrize("sizes", [None, (2, 3, 2)], ids=["same-input", "one-input-the-guards-reject"])
-def test_threads_starting_together_compile_once(sizes, disabled):
-    # 3 threads: one compiles while the other two wait for compile_lock; only a thread whose input the
-    # first compile's guards reject compiles again. Before torch 2.6 the fix is unsupported: the hazard stays.
-    result = scenario(f"_selftest.duplicate_compiles(3, sizes={sizes})", disabled, fix="compile-cache-recheck")
+@pytest.mark.parametrize(
+    "call, compiles",
+    [("", 1), ("sizes=(2, 3, 2)", 2), ("backends=(0, 1, 0)", 2)],
+    ids=["same-call", "one-input-the-guards-reject", "one-other-backend"],
+)
+def test_threads_starting_together_compile_once(call, compiles, disabled):
+    # 3 threads: one compiles while the other two wait for compile_lock; only a thread whose input the first
+    # compile's guards reject, or whose backend differs, compiles again. Before torch 2.6 the fix is
+    # unsupported: the hazard stays.
+    result = scenario(f"_selftest.duplicate_compiles(3, {call})", disabled, fix="compile-cache-recheck")
     assert result["hazard"] == (disabled or not HAS_RECHECK_FIX), result
     if HAS_RECHECK_FIX and not disabled:
-        assert result["detail"].startswith(f"{1 if sizes is None else 2} compiles"), result
+        assert result["detail"].startswith(f"{compiles} compiles"), result
 
 
 @pytest.mark.parametrize("propagate", [False, True], ids=["as-is", "propagate_config"])

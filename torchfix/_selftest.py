@@ -367,16 +367,23 @@ def _in_compile_callback(thread: threading.Thread) -> bool:
     return False
 
 
-def duplicate_compiles(threads: int = 3, timeout: float = 60.0, sizes: tuple[int, ...] | None = None) -> Result:
+def duplicate_compiles(
+    threads: int = 3,
+    timeout: float = 60.0,
+    sizes: tuple[int, ...] | None = None,
+    backends: tuple[int, ...] | None = None,
+) -> Result:
     """Cold start: one thread compiles a function while ``threads - 1`` others call it. Their cache lookups
     miss, they wait for ``compile_lock``, and then each compiles the same frame again, unless the cache is
     looked up once more after the lock (the first compile is held open until every other thread waits).
 
-    ``sizes``: thread i calls with a tensor of ``sizes[i]`` elements (default 2 for all); a thread whose
-    input the first compile's guards reject must compile its own. Every thread checks its result."""
+    Thread i calls with a tensor of ``sizes[i]`` elements (default 2) through ``torch.compile`` with backend
+    number ``backends[i]`` (default 0). A thread whose input or backend differs from every compile before
+    it must compile its own; only the others may reuse. Every thread checks its result."""
     import torch
 
     sizes = sizes or (2,) * threads
+    backends = backends or (0,) * threads
     compiled_by: list[str] = []
     first_compile = threading.Event()
     callers: list[threading.Thread] = []
@@ -392,34 +399,41 @@ def duplicate_compiles(threads: int = 3, timeout: float = 60.0, sizes: tuple[int
                     break
         return gm.forward
 
+    def other_backend(gm, example_inputs):  # a backend that is not held_backend (Dynamo compares with ==)
+        return held_backend(gm, example_inputs)
+
     # A code object of its own: Dynamo's cache (and its recompile limit) is per code object.
     fresh = types.FunctionType(_add_one.__code__.replace(), globals(), "_add_one")
-    compiled = torch.compile(fresh, backend=held_backend)
+    compiled = [torch.compile(fresh, backend=held_backend), torch.compile(fresh, backend=other_backend)]
 
-    def call(size: int) -> None:
+    def call(size: int, backend: int) -> None:
         try:
             x = torch.arange(float(size))
-            if not torch.equal(compiled(x), x + 1):
+            if not torch.equal(compiled[backend](x), x + 1):
                 raise AssertionError(f"wrong result for {size} elements")
         except BaseException as exc:
             errors.append(exc)
 
-    first = threading.Thread(target=call, args=(sizes[0],), name="compile-0", daemon=True)
-    callers += [
-        threading.Thread(target=call, args=(sizes[i],), name=f"compile-{i}", daemon=True) for i in range(1, threads)
+    started = [
+        threading.Thread(target=call, args=(sizes[i], backends[i]), name=f"compile-{i}", daemon=True)
+        for i in range(threads)
     ]
+    first, callers[:] = started[0], started[1:]
     first.start()
     if not first_compile.wait(timeout):
         raise TimeoutError("the first thread never started compiling")
     for thread in callers:
         thread.start()
-    for thread in [first, *callers]:
+    for thread in started:
         thread.join(timeout)
     if errors:
         raise errors[0]
-    shapes = len(set(sizes))
-    detail = f"{len(compiled_by)} compiles of one function by {threads} threads starting together ({shapes} shape(s))"
-    return Result(f"cold start ({threads} threads, one function)", len(compiled_by) > shapes, detail)
+    needed = len(set(zip(sizes, backends)))
+    detail = (
+        f"{len(compiled_by)} compiles of one function by {threads} threads starting together "
+        f"({needed} different input/backend pair(s))"
+    )
+    return Result(f"cold start ({threads} threads, one function)", len(compiled_by) > needed, detail)
 
 
 def run_all(timeout: float = 60.0) -> list[Result]:

@@ -82,9 +82,9 @@ class CacheRecheck:
             installed = [
                 dynamo_types.GuardedCode(entry.code, entry.guard_manager, entry.compile_id, entry.trace_annotation)
                 for entry in _entries(c_eval_frame, code)
-                if entry.backend is backend
+                if _same_backend(entry.backend, backend)
             ]
-            in_flight = [ref() for c, b, ref in self._in_flight if c is code and b is backend]
+            in_flight = [ref() for c, b, ref in self._in_flight if c is code and _same_backend(b, backend)]
             for guarded in installed + [g for g in in_flight if g is not None]:
                 if guarded.guard_manager.check(frame.f_locals):
                     self.reused += 1
@@ -102,6 +102,15 @@ def _backend(callback: object, attr: str) -> object:
     while hasattr(callback, attr):
         callback = getattr(callback, attr)
     return callback
+
+
+def _same_backend(saved: object, backend: object) -> bool:
+    """Dynamo's own test (``backend_match``): identity, else ``==`` (two ``torch.compile`` calls with the
+    same backend and options share cache entries), where an ``__eq__`` that raises means no."""
+    try:
+        return saved is backend or bool(saved == backend)
+    except Exception:
+        return False
 
 
 def _entries(c_eval_frame: types.ModuleType, code: types.CodeType) -> list:
