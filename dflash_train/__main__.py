@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{me}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     if not ranks.is_main:
-        return EXIT_INTERRUPTED if result.interrupted else 0
+        # Even when interrupted: torchrun stops every rank when one exits non-zero, and rank 0 may still be
+        # writing its checkpoint. Rank 0's exit status speaks for the job.
+        return 0
     if result.interrupted:
         print(
             f"dflash-train: interrupted at step {result.steps_done}; checkpoint saved in {result.out_dir}. "

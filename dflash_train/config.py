@@ -197,13 +197,16 @@ class Ranks:
     world_size: int = 1
     local_rank: int = 0  # the rank among the processes of this host
     local_world_size: int = 1
+    launched: bool = False  # by torchrun (even as one rank: the process group still starts)
 
     @classmethod
     def from_env(cls) -> Ranks:
         env = os.environ
         if "WORLD_SIZE" not in env:
             return cls()
-        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]))
+        return cls(
+            int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), True
+        )
 
     @property
     def is_main(self) -> bool:

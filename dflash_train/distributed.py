@@ -39,7 +39,9 @@ class Collectives:
     def __init__(self, ranks: Ranks, device: torch.device, timeout_s: float, gloo_only: bool = False):
         self.ranks = ranks
         self.device = device  # where collective buffers live: the rank's first drafter device
-        if ranks.world_size == 1:
+        # Under torchrun the process group starts even for one rank, so that path is the one that runs.
+        self.active = ranks.launched
+        if not self.active:
             return
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -51,7 +53,7 @@ class Collectives:
 
     def mean_(self, buffer: torch.Tensor) -> None:
         """Replace ``buffer`` by its mean over the ranks."""
-        if self.ranks.world_size == 1:
+        if not self.active:
             return
         # NCCL works on the calling thread's current device; this may be any drafter thread.
         with torch.cuda.device(buffer.device) if buffer.is_cuda else contextlib.nullcontext():
@@ -60,7 +62,7 @@ class Collectives:
 
     def broadcast_(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite ``tensors`` with rank 0's values (one flat broadcast)."""
-        if self.ranks.world_size == 1:
+        if not self.active:
             return
         with torch.no_grad():
             flat = torch.cat([t.detach().to(self.device).flatten() for t in tensors])
@@ -70,7 +72,7 @@ class Collectives:
 
     def check_same(self, value: int, what: str) -> None:
         """Raise ConfigError on every rank unless all ranks have the same ``value``."""
-        if self.ranks.world_size == 1:
+        if not self.active:
             return
         extremes = torch.tensor([value, -value], device=self.device)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
@@ -80,7 +82,7 @@ class Collectives:
 
     def wait_for_others(self) -> None:
         """A barrier without the step timeout, for ranks that wait while others do one-off work."""
-        if self.ranks.world_size > 1:
+        if self.active:
             dist.barrier(group=self._patient)
 
     @contextlib.contextmanager
@@ -95,12 +97,12 @@ class Collectives:
 
     def gather(self, obj: object) -> list[object]:
         """Every rank's ``obj``, in rank order (a small Python object)."""
-        if self.ranks.world_size == 1:
+        if not self.active:
             return [obj]
         objects: list[object] = [None] * self.ranks.world_size
         dist.all_gather_object(objects, obj, group=self._patient)
         return objects
 
     def close(self) -> None:
-        if self.ranks.world_size > 1:
+        if self.active:
             dist.destroy_process_group()

@@ -184,7 +184,7 @@ class GradientAverager:
         """Average the gradients; return ``stats`` (this rank's figures) averaged over the ranks."""
         groups = [params for params in self.groups if params[0].grad is not None]
         means = [torch.stack([p.grad.to(params[0].grad.device) for p in params]).mean(0) for params in groups]
-        if self.collectives.ranks.world_size > 1:
+        if self.collectives.active:
             flat = torch.cat([*(m.flatten() for m in means), stats.to(means[0])])
             self.collectives.mean_(flat)
             *parts, stats = flat.split([*(m.numel() for m in means), stats.numel()])

@@ -70,6 +70,16 @@ def test_two_ranks_train_what_one_process_of_two_threads_trains(two_ranks):
     assert sorted(r["rank"] for r in straight if r["type"] == "dynamo") == [0, 1]
 
 
+def test_one_rank_under_torchrun_trains_what_a_plain_process_trains(tmp_path):
+    # Launched by torchrun, even one rank starts the process group and all-reduces every step.
+    launched = run_cli(flags(tmp_path, "one-rank"), launcher=TWO_RANKS[:-1] + ("1",))
+    plain = run_cli(flags(tmp_path, "plain"))
+    assert launched.returncode == 0 and plain.returncode == 0, launched.stderr + plain.stderr
+    a, b = checkpoint(tmp_path, "one-rank"), checkpoint(tmp_path, "plain")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def test_resumed_two_rank_run_continues_exactly(two_ranks):
     cut = run_cli([*flags(two_ranks, "cut"), "--stop-after", "2"], launcher=TWO_RANKS)
     assert cut.returncode == 0, cut.stderr
