@@ -112,7 +112,7 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
     if quick:
         counts, steps, batch, seq_len = (1, 2), 4, 2, 64
     elif device.startswith("cuda"):
-        counts, steps, batch, seq_len = (1, 2, 3), 200, 12, 256
+        counts, steps, batch, seq_len = (1, 2, 3), 120, 12, 256
     else:
         counts, steps, batch, seq_len = (1, 2, 3), 30, 6, 128
     rows = []

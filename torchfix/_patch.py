@@ -68,7 +68,7 @@ class SourcePatch:
         module = importlib.import_module(self.module_name)
         source = read_source(module)
         swap = CodeSwap.prepare(module, source, self.edits(source))
-        self._install_state(module)
+        self._install_state(module, source)
         swap.apply()
         self._module, self._swap = module, swap
 
@@ -87,7 +87,7 @@ class SourcePatch:
         if self._swap is None or not self._swap.is_applied():
             raise ShapeError(f"{self.module_name}: patched code is not in place")
 
-    def _install_state(self, module: types.ModuleType) -> None:
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
         pass
 
     def _remove_state(self, module: types.ModuleType) -> None:
@@ -102,6 +102,21 @@ def _module_level_names(source: str) -> set[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.update(target.id for target in targets if isinstance(target, ast.Name))
     return names
+
+
+def _module_level_literals(source: str, names: set[str]) -> dict[str, tuple[object, str]]:
+    """``{name: (value, source text)}`` of the module-level assignments of ``names`` (their defaults)."""
+    found = {}
+    for node in parse(source).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id in names:
+                    try:
+                        found[target.id] = (ast.literal_eval(node.value), segment(source, node.value))
+                    except ValueError:
+                        raise ShapeError(f"line {node.lineno}: {target.id} is not set to a literal") from None
+    return found
 
 
 def _function_scopes(table: symtable.SymbolTable) -> Iterator[symtable.SymbolTable]:
@@ -146,16 +161,43 @@ def _global_uses(source: str, filename: str, name: str) -> tuple[list[ast.Name],
     return names, declarations
 
 
-def _thread_local_class(holder: str, defaults: dict[str, object]) -> type[threading.local]:
-    # Class attributes are the per-thread defaults: a new thread reads them until it sets its own.
-    return type(holder, (threading.local,), dict(defaults))
+def _per_thread_class(holder: str, defaults: dict[str, object]) -> type:
+    """The holder's type: one property per moved global, kept per thread (a ``threading.local``), and
+    ``overridden``, how many (thread, name) pairs hold something else than the default.
+
+    A ``threading.local`` read costs about three times a global read, and torch reads these flags on
+    every compiled call. The rewritten reads test ``overridden`` (a plain attribute) first and take the
+    thread's value only while some thread has set one of its own, which is rare (during a trace or an
+    export): otherwise they cost one attribute read more than the global did. Writes are rare and take a
+    lock to keep the count exact. A thread that dies holding a non-default value keeps the count above
+    zero: reads stay correct, only slower.
+    """
+
+    def per_thread(attr: str, default: object) -> property:
+        def get(self: object) -> object:
+            return getattr(self._local, attr, default)
+
+        def set_(self: object, value: object) -> None:
+            with self._lock:
+                old = getattr(self._local, attr, default)
+                setattr(self._local, attr, value)
+                self.overridden += (value != default) - (old != default)
+
+        return property(get, set_)
+
+    def __init__(self: object) -> None:
+        self._local, self._lock, self.overridden = threading.local(), threading.Lock(), 0
+
+    namespace = {attr: per_thread(attr, default) for attr, default in defaults.items()}
+    return type(holder, (), {"__slots__": ("_local", "_lock", "overridden"), "__init__": __init__, **namespace})
 
 
 class ThreadLocalGlobals(SourcePatch):
     """Make module globals per-thread: ``module.NAME`` becomes ``module.HOLDER.ATTR``.
 
     * Functions of the module that read or write ``NAME`` (``LOAD_GLOBAL``/``STORE_GLOBAL``) are
-      rewritten to use the attribute of a ``threading.local`` stored in the module as ``HOLDER``.
+      rewritten to use the per-thread attribute of an object stored in the module as ``HOLDER``; reads
+      take a fast path while no thread has a value of its own (see :func:`_per_thread_class`).
     * ``NAME`` leaves the module dict. Reads of ``module.NAME`` from other modules reach a module
       ``__getattr__`` (PEP 562) that returns the calling thread's value; torch's own writers from other
       modules are rewritten by :class:`AttributeUses`. The module keeps its class: Dynamo checks
@@ -181,11 +223,15 @@ class ThreadLocalGlobals(SourcePatch):
 
     def edits(self, source: str) -> list[Edit]:
         edits = []
-        for name, attr in self._present(_module_level_names(source)).items():
+        present = self._present(_module_level_names(source))
+        defaults = _module_level_literals(source, set(present))
+        for name, attr in present.items():
             uses, declarations = _global_uses(source, self.relpath, name)
             if not uses:
                 raise ShapeError(f"{self.relpath}: no function uses the global {name}")
-            edits += [replace_node(use, f"{self.holder}.{attr}") for use in uses]
+            value = f"{self.holder}.{attr}"
+            fast_read = f"({value} if {self.holder}.overridden else {defaults[name][1]})"
+            edits += [replace_node(use, fast_read if isinstance(use.ctx, ast.Load) else value) for use in uses]
             edits += [self._drop_declaration(source, decl, name) for decl in declarations]
         return edits
 
@@ -193,7 +239,7 @@ class ThreadLocalGlobals(SourcePatch):
         moved = ", ".join(f"{name} -> {self.holder}.{attr}" for name, attr in self.attrs.items())
         where = f" ({', '.join(sorted(self.optional))} only where the file defines them)" if self.optional else ""
         return (
-            f"{self.relpath}: module globals moved to a threading.local ({moved}){where}; "
+            f"{self.relpath}: module globals moved to per-thread storage ({moved}){where}; "
             f"`{self.module_name}.<name>` read from other modules goes through a module __getattr__"
         )
 
@@ -206,14 +252,20 @@ class ThreadLocalGlobals(SourcePatch):
         # A comment keeps the line (line numbers must not move) and tells the reader where it went.
         return replace_node(decl, f"# {name} is thread-local: {self.holder}.{self.attrs[name]}" if alone else "pass")
 
-    def _install_state(self, module: types.ModuleType) -> None:
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
         namespace = vars(module)
         moved = self._present(namespace)
         missing = [name for name in moved if name not in namespace]
         if missing or self.holder in namespace:
             raise ShapeError(f"{module.__name__}: expected globals {missing} and no {self.holder}")
-        defaults = {attr: namespace[name] for name, attr in moved.items()}
-        holder = namespace[self.holder] = _thread_local_class(self.holder, defaults)()
+        # The file's initial values are every thread's defaults (the fast reads have them inline); a value
+        # set before the install (say a flag left stuck) stays the installing thread's own.
+        literals = _module_level_literals(source, set(moved))
+        holder = _per_thread_class(self.holder, {moved[name]: value for name, (value, _) in literals.items()})()
+        for name, attr in moved.items():
+            if namespace[name] != literals[name][0]:
+                setattr(holder, attr, namespace[name])
+        namespace[self.holder] = holder
         self._saved_getattr = namespace.get("__getattr__")
         namespace["__getattr__"] = _module_getattr(module.__name__, holder, moved, self._saved_getattr)
         for name in moved:
@@ -260,6 +312,7 @@ class ThreadLocalGlobals(SourcePatch):
             for name, attr in self._moved.items():
                 setattr(holder, attr, not mine[name])
                 seen_elsewhere[name] = getattr(module, name)
+                setattr(holder, attr, mine[name])  # a thread that ends on a value of its own slows reads
 
         thread = threading.Thread(target=other_thread, name="torchfix-verify")
         thread.start()
@@ -271,7 +324,7 @@ class ThreadLocalGlobals(SourcePatch):
 
 
 def _module_getattr(
-    module_name: str, holder: threading.local, moved: dict[str, str], previous: object
+    module_name: str, holder: object, moved: dict[str, str], previous: object
 ) -> types.FunctionType:
     def __getattr__(name: str) -> object:
         attr = moved.get(name)

@@ -7,15 +7,17 @@ again. N compiles and N interchangeable cache entries instead of one (an H200 wi
 threads compiled 6 graphs instead of 2). Serialised under the lock, the copies add up to the cold start
 of every thread but the first.
 
-The fix looks the frame up once more after the lock is taken, just before compiling: the cache entries of
-the frame's code for this backend (and, from 2.13, this ``isolate_recompiles`` region), and the results of
-compiles that returned but whose entries Dynamo has not installed yet (it does so after the callback, so
-after the lock is released): the first whose guards pass on the frame's locals. Found, it is returned as the
-compile's result, so no compile happens; Dynamo's C side installs it as one more cache entry (it always
-installs what the callback returns: no API adds a cache hit without an entry). That copy costs a list node,
-not a compile, and the entry count per frame is what it was without the fix (one per racing thread), so
-recompile limits trip no earlier. The guards are the ones the lookup itself runs, so a reused entry is one
-the lookup would have picked; anything unexpected in the re-check falls back to compiling, torch's own path.
+The fix looks the frame up once more after the lock is taken, just before compiling. It remembers the
+compiles made through it (frame, backend, result) for as long as their result lives: in flight (Dynamo
+installs the cache entry after the callback returns, so after the lock is released) or as a cache entry (a
+guard manager dies with its entry, so ``torch._dynamo.reset()`` ends the reuse too). The first of them for
+this frame and backend (compared as Dynamo compares backends) whose guards pass on the frame's locals is
+returned as the compile's result, so no compile happens; Dynamo's C side installs it as one more cache entry
+(it always installs what the callback returns: no API adds a cache hit without an entry). That copy costs a
+list node, not a compile, and the entry count per frame is what it was without the fix (one per racing
+thread), so recompile limits trip no earlier. The guards are the ones the lookup itself runs; anything
+unexpected in the re-check falls back to compiling, torch's own path. (Cache entries expose their backend
+only from torch 2.7, so entries made before ``import torchfix`` are not reused.)
 
 Edit: in ``CatchErrorsWrapper.__call__`` the compile under ``compile_lock`` calls
 ``_compile_unless_cached(self, "<the backend attribute>")(...)`` instead of the backend. torch 2.6 - 2.15
@@ -32,6 +34,7 @@ import importlib
 import types
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from packaging.specifiers import SpecifierSet
 
@@ -45,15 +48,22 @@ HELPER = "_compile_unless_cached"
 BACKEND_ATTRS = ("_torchdynamo_orig_callable", "_torchdynamo_orig_backend")
 
 
+@dataclass(frozen=True)
+class _Compiled:
+    """A compile made through ``_compile_unless_cached``, while its result may still be reused."""
+
+    frame_code: types.CodeType
+    backend: object
+    guarded: weakref.ref  # the GuardedCode: alive until Dynamo has copied it into a cache entry
+    guard_manager: weakref.ref  # alive while the cache entry is (a reset drops it)
+
+
 class CacheRecheck:
     """``_compile_unless_cached``: wraps the compile that Dynamo's callback runs under ``compile_lock``."""
 
     def __init__(self) -> None:
         self.reused = 0  # compiles avoided in this process (read by tests and the doctor)
-        # Compiles that returned but may not be in the cache yet: Dynamo installs the entry after the
-        # callback returns, so after the lock is released. A weak reference to the GuardedCode lives
-        # exactly that long: the new cache entry copies its fields and drops it. Guarded by compile_lock.
-        self._in_flight: list[tuple[types.CodeType, object, weakref.ref]] = []
+        self._compiled: list[_Compiled] = []  # guarded by compile_lock, like everything else here
 
     def __call__(self, callback: object, backend_attr: str) -> Callable:
         """The compile ``callback.<backend_attr>(frame, ...)``, preceded by a cache lookup."""
@@ -61,32 +71,38 @@ class CacheRecheck:
         backend = _backend(callback, backend_attr)
 
         def compile_unless_cached(frame: object, *args: object, **kwargs: object) -> object:
-            self._in_flight = [item for item in self._in_flight if item[2]() is not None]
+            self._compiled = [c for c in self._compiled if c.guard_manager() is not None]
             cached = self._lookup(backend, frame)
             if cached is not None:
                 return cached
             result = convert(frame, *args, **kwargs)
             guarded = getattr(result, "guarded_code", result)  # 2.7+: a ConvertFrameReturn around it
             if type(guarded).__name__ == "GuardedCode":
-                self._in_flight.append((frame.f_code, backend, weakref.ref(guarded)))
+                refs = weakref.ref(guarded), weakref.ref(guarded.guard_manager)
+                self._compiled.append(_Compiled(frame.f_code, backend, *refs))
             return result
 
         return compile_unless_cached
 
     def _lookup(self, backend: object, frame: object) -> object | None:
+        """A GuardedCode of an earlier compile of this frame for this backend whose guards pass now."""
         from torch._C._dynamo import eval_frame as c_eval_frame
         from torch._dynamo import types as dynamo_types
 
         try:
             code = frame.f_code
-            installed = [
-                dynamo_types.GuardedCode(entry.code, entry.guard_manager, entry.compile_id, entry.trace_annotation)
-                for entry in _entries(c_eval_frame, code)
-                if _same_backend(entry.backend, backend)
-            ]
-            in_flight = [ref() for c, b, ref in self._in_flight if c is code and _same_backend(b, backend)]
-            for guarded in installed + [g for g in in_flight if g is not None]:
-                if guarded.guard_manager.check(frame.f_locals):
+            mine = [c for c in self._compiled if c.frame_code is code and _same_backend(c.backend, backend)]
+            if not mine:
+                return None
+            installed = {id(entry.guard_manager): entry for entry in _entries(c_eval_frame, code)}
+            for compiled in mine:
+                guarded, guard_manager = compiled.guarded(), compiled.guard_manager()
+                entry = installed.get(id(guard_manager))
+                if guarded is None and entry is not None:  # in the cache now: rebuild it from the entry
+                    guarded = dynamo_types.GuardedCode(
+                        entry.code, guard_manager, entry.compile_id, entry.trace_annotation
+                    )
+                if guarded is not None and guard_manager.check(frame.f_locals):
                     self.reused += 1
                     wrap = getattr(dynamo_types, "wrap_guarded_code", None)  # 2.7+: a ConvertFrameReturn
                     return wrap(guarded) if wrap else guarded
@@ -157,7 +173,7 @@ class _RecheckPatch(SourcePatch):
         attr = compiles[0].attr
         return [replace_node(compiles[0], f"{HELPER}(self, {attr!r})")]
 
-    def _install_state(self, module: types.ModuleType) -> None:
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
         if HELPER in vars(module):
             raise ShapeError(f"{MODULE} has a {HELPER} already")
         vars(module)[HELPER] = CacheRecheck()

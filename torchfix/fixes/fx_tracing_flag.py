@@ -71,8 +71,8 @@ class _FlagPatch(ThreadLocalGlobals):
     def describe(self) -> str:
         return super().describe() + f"; adds torch 2.14's accessors {', '.join(_ACCESSORS)} where missing"
 
-    def _install_state(self, module: types.ModuleType) -> None:
-        super()._install_state(module)
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
+        super()._install_state(module, source)
         namespace = vars(module)
         self._added = [name for name in _accessors(module) if name not in namespace]
         namespace.update({name: f for name, f in _accessors(module).items() if name in self._added})

@@ -249,10 +249,10 @@ class _IsolationPatch(ThreadLocalGlobals):
             raise ShapeError("_autowrap_check: expected one frame_dict.items()")
         return edits + [replace_node(items[0], f"{HELPER}.items(frame_dict)")]
 
-    def _install_state(self, module: types.ModuleType) -> None:
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
         if HELPER in vars(module):
             raise ShapeError(f"{MODULE} has a {HELPER} already")
-        super()._install_state(module)
+        super()._install_state(module, source)
         vars(module)[HELPER] = ThreadPatches()
         # When Dynamo is imported (now, if it is already); skipping a code object is harmless after uninstall.
         wrapt.register_post_import_hook(_skip_in_dynamo, "torch._dynamo.eval_frame")
