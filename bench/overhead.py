@@ -22,7 +22,9 @@ def _rate(fn: Callable[[], object], calls: int) -> float:
 
 
 def side_by_side(fn: Callable[[], object], calls: int, rounds: int) -> dict[str, float]:
-    """Calls per second with and without torchfix, alternating which goes first in each round."""
+    """Calls per second with and without torchfix: many short blocks, the two in turn (ABBA order, so
+    neither always runs first), and the median over rounds of each round's ratio with its quartiles.
+    Short blocks keep a drift of the machine (clock, other load) from landing on one side only."""
     import torchfix
 
     with_fix, without_fix, ratios = [], [], []
@@ -31,15 +33,19 @@ def side_by_side(fn: Callable[[], object], calls: int, rounds: int) -> dict[str,
         rates = {}
         for installed in order:
             torchfix.install() if installed else torchfix.uninstall()
+            fn()  # the first call after a swap runs new bytecode unspecialised
             rates[installed] = _rate(fn, calls)
         with_fix.append(rates[True])
         without_fix.append(rates[False])
         ratios.append(rates[True] / rates[False])
     torchfix.install()
+    quartiles = statistics.quantiles(ratios, n=4)
     return {
         "with_torchfix_per_s": statistics.median(with_fix),
         "without_torchfix_per_s": statistics.median(without_fix),
         "ratio": statistics.median(ratios),
+        "ratio_q1": quartiles[0],
+        "ratio_q3": quartiles[2],
     }
 
 
@@ -67,7 +73,7 @@ def run(quick: bool = False) -> dict[str, object]:
 
     import torchfix
 
-    calls, rounds = (200, 3) if quick else (20000, 15)
+    calls, rounds = (200, 4) if quick else (2000, 201)
     x = torch.ones(4)
     compiled = torch.compile(lambda t: t + 1, backend="eager")
     compiled(x)
@@ -88,7 +94,7 @@ def table(result: dict) -> str:
         r = result[key]
         lines.append(
             f"{key:<14} with {r['with_torchfix_per_s']:>12,.0f}/s  without {r['without_torchfix_per_s']:>12,.0f}/s"
-            f"  ratio {r['ratio']:.4f}"
+            f"  ratio {r['ratio']:.4f} (quartiles {r['ratio_q1']:.3f} - {r['ratio_q3']:.3f})"
         )
     lines += [
         f"import torchfix (torch already imported): {result['import_torchfix_after_torch_ms']:.1f} ms",
