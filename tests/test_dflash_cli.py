@@ -28,16 +28,35 @@ def tiny_flags(tmp_path: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
 def run_cli(
     args: list[str], timeout: float = 240, launcher: tuple[str, ...] = (), **kwargs
 ) -> subprocess.CompletedProcess:
     """``python [launcher] -m dflash_train args``; ``launcher`` runs it under torchrun, for instance."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, *launcher, "-m", "dflash_train", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, **kwargs,
+        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO, **kwargs,
     )  # fmt: skip
+
+
+def start_training(args: list[str], metrics: Path, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start ``python [launcher] -m dflash_train args`` and return once ``metrics`` holds a training step."""
+    proc = subprocess.Popen(
+        [sys.executable, *launcher, "-m", "dflash_train", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and '"train"' in metrics.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no training step reported: {proc.communicate()}")
+        time.sleep(0.2)
+    return proc
 
 
 def test_smoke_threads_compile_checkpoint(tmp_path):
@@ -100,18 +119,8 @@ def test_watchdog_prints_every_stack_and_exits(tmp_path):
 
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     flags = [*tiny_flags(tmp_path), "--no-compile", "--eval-prompts", "0"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_train", *flags, "--steps", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-    )  # fmt: skip
-    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = start_training([*flags, "--steps", "100000"], tmp_path / "run" / "metrics.jsonl")
     try:
-        deadline = time.monotonic() + 120
-        while not (metrics.is_file() and '"train"' in metrics.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:

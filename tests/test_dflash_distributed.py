@@ -11,14 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_dflash_cli import REPO, run_cli, tiny_flags
+from test_dflash_cli import REPO, run_cli, start_training, tiny_flags
 
 from dflash_train.config import ConfigError, TrainConfig
 
@@ -150,18 +149,9 @@ def rank_pid(launcher: int, rank: int) -> int:
 
 
 def test_ctrl_c_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.Popen(
-        [sys.executable, *TWO_RANKS, "-m", "dflash_train", *flags(tmp_path, "run"), "--steps", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-    )  # fmt: skip
-    metrics = tmp_path / "run" / "metrics.jsonl"
+    args = [*flags(tmp_path, "run"), "--steps", "100000"]
+    proc = start_training(args, tmp_path / "run" / "metrics.jsonl", launcher=TWO_RANKS)
     try:
-        deadline = time.monotonic() + 120
-        while not (metrics.is_file() and '"train"' in metrics.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.2)
         os.kill(rank_pid(proc.pid, 1), signal.SIGINT)  # rank 0 must stop with it, at the same step
         stdout, stderr = proc.communicate(timeout=60)
     finally:
