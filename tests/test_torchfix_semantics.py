@@ -83,6 +83,33 @@ except Exception as exc:
     assert "sneaky: LOAD_GLOBAL _is_fx_tracing_flag" in ran
 
 
+@pytest.mark.skipif(not HAS_H1, reason="the fix is not needed on torch 2.14+")
+def test_fast_reads_follow_every_thread_value():
+    # Reads skip the per-thread storage while no thread holds a value of its own; they must still see
+    # each thread's value, a value set before the install stays that thread's, and the count drains.
+    ran = run_ok("""
+import json, threading
+import torch
+import torch.fx._symbolic_trace as st
+st._is_fx_tracing_flag = True  # stuck before the install
+import torchfix
+from torchfix import _selftest
+holder = st._is_fx_tracing_tls
+def elsewhere():
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(st.is_fx_tracing()))
+    thread.start(); thread.join()
+    return seen[0]
+seen = {"installer": st.is_fx_tracing(), "new_thread": elsewhere(), "count": holder.overridden}
+st._set_is_fx_tracing(False)
+seen["after_reset"] = [st.is_fx_tracing(), holder.overridden]
+_selftest.many_threads(rounds=4, callers=3)  # traces in threads set and restore their own values
+seen["after_traces"] = holder.overridden
+print(json.dumps(seen))
+""").json()
+    assert ran == {"installer": True, "new_thread": False, "count": 1, "after_reset": [False, 0], "after_traces": 0}
+
+
 def test_joint_trace_backward_sees_is_compiling_in_the_compiling_thread(disabled):
     # What runs for a compile but is not traced by Dynamo (a custom op's fake kernel, and its backward
     # formula run by torch.autograd.grad while AOTAutograd traces the joint graph) must still see

@@ -310,9 +310,10 @@ class ThreadLocalGlobals(SourcePatch):
 
         def other_thread() -> None:
             for name, attr in self._moved.items():
+                own = getattr(holder, attr)
                 setattr(holder, attr, not mine[name])
                 seen_elsewhere[name] = getattr(module, name)
-                setattr(holder, attr, mine[name])  # a thread that ends on a value of its own slows reads
+                setattr(holder, attr, own)  # a thread that ends on a value of its own slows every read
 
         thread = threading.Thread(target=other_thread, name="torchfix-verify")
         thread.start()
