@@ -324,9 +324,7 @@ class ThreadLocalGlobals(SourcePatch):
             raise ShapeError(f"{module.__name__}: {', '.join(self._moved)} did not behave per-thread after patching")
 
 
-def _module_getattr(
-    module_name: str, holder: object, moved: dict[str, str], previous: object
-) -> types.FunctionType:
+def _module_getattr(module_name: str, holder: object, moved: dict[str, str], previous: object) -> types.FunctionType:
     def __getattr__(name: str) -> object:
         attr = moved.get(name)
         if attr is not None:

@@ -8,9 +8,10 @@ Run them in a process you can throw away: on an unpatched torch, H2 leaves the p
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 NESTED_TRACE_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
@@ -351,20 +352,46 @@ def many_threads(rounds: int = 20, callers: int = 4, timeout: float = 60.0) -> R
     )
 
 
-def _in_compile_callback(thread: threading.Thread) -> bool:
-    """Whether ``thread`` is in Dynamo's compile callback: its cache lookup missed, and it is compiling or
-    waiting for ``compile_lock`` (``catch_errors`` before torch 2.4, ``CatchErrorsWrapper.__call__`` after)."""
-    import sys
+class _ObservedLock:
+    """Dynamo's ``compile_lock``, noting which threads asked for it before they block on it. It only
+    observes: the real lock does the locking. (Looking at the other threads' stacks instead can crash
+    torch 2.11 on Python 3.11: a thread in Dynamo's callback sits on top of a frame not started yet.)"""
 
-    frame = sys._current_frames().get(thread.ident)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "catch_errors" or (
-            code.co_name == "__call__" and code.co_filename.endswith("convert_frame.py")
-        ):
-            return True
-        frame = frame.f_back
-    return False
+    def __init__(self, lock: object) -> None:
+        self.lock = lock
+        self.waiting: set[int] = set()
+        self.changed = threading.Condition()
+
+    def __enter__(self) -> object:
+        with self.changed:
+            self.waiting.add(threading.get_ident())
+            self.changed.notify_all()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc_info: object) -> object:
+        return self.lock.__exit__(*exc_info)
+
+    def __getattr__(self, name: str) -> object:  # acquire, release, ...
+        return getattr(self.lock, name)
+
+    def wait_for(self, threads: list[threading.Thread], timeout: float) -> None:
+        """Until every one of ``threads`` has asked for the lock (or has ended)."""
+        with self.changed:
+            self.changed.wait_for(lambda: all(t.ident in self.waiting or not t.is_alive() for t in threads), timeout)
+
+
+@contextlib.contextmanager
+def _observed_compile_lock() -> Iterator[_ObservedLock]:
+    import importlib
+
+    # The module whose functions take it: convert_frame from torch 2.4, eval_frame before.
+    modules = map(importlib.import_module, ("torch._dynamo.convert_frame", "torch._dynamo.eval_frame"))
+    module = next(m for m in modules if "compile_lock" in vars(m))
+    observed = module.compile_lock = _ObservedLock(module.compile_lock)
+    try:
+        yield observed
+    finally:
+        module.compile_lock = observed.lock
 
 
 def duplicate_compiles(
@@ -393,10 +420,7 @@ def duplicate_compiles(
         compiled_by.append(threading.current_thread().name)
         if len(compiled_by) == 1:
             first_compile.set()
-            waiting = threading.Event()  # never set: its wait() paces the polling
-            while not all(_in_compile_callback(t) for t in callers):
-                if waiting.wait(0.005) or not any(t.is_alive() for t in callers):
-                    break
+            lock.wait_for(callers, timeout)  # every other thread missed the cache and waits for the lock
         return gm.forward
 
     def other_backend(gm, example_inputs):  # a backend that is not held_backend (Dynamo compares with ==)
@@ -419,13 +443,14 @@ def duplicate_compiles(
         for i in range(threads)
     ]
     first, callers[:] = started[0], started[1:]
-    first.start()
-    if not first_compile.wait(timeout):
-        raise TimeoutError("the first thread never started compiling")
-    for thread in callers:
-        thread.start()
-    for thread in started:
-        thread.join(timeout)
+    with _observed_compile_lock() as lock:
+        first.start()
+        if not first_compile.wait(timeout):
+            raise TimeoutError("the first thread never started compiling")
+        for thread in callers:
+            thread.start()
+        for thread in started:
+            thread.join(timeout)
     if errors:
         raise errors[0]
     needed = len(set(zip(sizes, backends)))
