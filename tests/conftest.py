@@ -29,10 +29,11 @@ HAS_H4 = TORCH_VERSION.release < (2, 16)
 HAS_H5_SWITCH = TORCH_VERSION.release >= (2, 9)
 # Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
-# Threads missing Dynamo's cache together compile a frame once each, from 2.1 (torch 2.0's eval-frame
-# callback is process-wide: the other threads run the frame uncompiled meanwhile); the fix needs 2.6+.
-HAS_DUPLICATE_COMPILES = TORCH_VERSION.release >= (2, 1)
+# Threads missing Dynamo's cache together each compile the frame again (2.6+ here); the fix needs 2.6+.
 HAS_RECHECK_FIX = TORCH_VERSION.release >= (2, 6)
+# Seen in the matrix: these releases segfault when a thread recompiles a frame that other threads wait to
+# run, and without compile-cache-recheck (2.10: 3 of 3 runs) when they duplicate one frame's compile.
+TORCH_CRASHES_ON_CONCURRENT_RECOMPILE = (2, 10) <= TORCH_VERSION.release < (2, 12)
 
 
 @dataclass

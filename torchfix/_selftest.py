@@ -465,13 +465,13 @@ def run_all(timeout: float = 60.0) -> list[Result]:
     """Every scenario this torch has. Without the fixes, H2 and H4 can leave the process broken (a stuck
     flag, ``nn.Module`` left patched): they run last, and a scenario that raises because an earlier one
     broke the process is reported as a failure rather than stopping the report."""
-    import torch
+    from ._fix import State
+    from ._install import status
 
-    from .fixes import compile_cache_recheck
-
-    # Before torch 2.6 every thread compiles its own copy, fix or not (a cost: not a failure to report).
-    supported = compile_cache_recheck.FIX.supports(torch.__version__)
-    cold_start = [("cold start", lambda: duplicate_compiles(3, timeout))] if supported else []
+    # Without the fix, threads compile the frame once each; torch 2.10 - 2.11 can crash doing that (SIGSEGV),
+    # which would end the report. So the cold start runs only where the fix is in.
+    applied = {entry.name for entry in status() if entry.state is State.APPLIED}
+    cold_start = [("cold start", lambda: duplicate_compiles(3, timeout))] if "compile-cache-recheck" in applied else []
     scenarios: list[tuple[str, Callable[[], Result | None]]] = [
         ("H1 symbolic_trace", lambda: h1_nested_trace_error("symbolic_trace", timeout)),
         ("H1 make_fx", lambda: h1_nested_trace_error("make_fx", timeout)),
