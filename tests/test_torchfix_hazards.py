@@ -88,8 +88,8 @@ def test_threads_starting_together_compile_once(disabled):
     # 3 threads: one compiles while the other two miss the cache and wait for compile_lock.
     call = SCENARIO.format(call="_selftest.duplicate_compiles(3)")
     ran = run_python(call, disable="compile-cache-recheck" if disabled else None)
-    if disabled and TORCH_CRASHES_ON_CONCURRENT_RECOMPILE and ran.returncode < 0:
-        return  # the duplicate compiles crashed this torch (SIGSEGV): the hazard, at its worst
+    if disabled and TORCH_CRASHES_ON_CONCURRENT_RECOMPILE and ran.returncode != 0:
+        return  # the duplicate compiles crashed this torch (SIGSEGV, or a Dynamo internal error): the hazard
     assert ran.returncode == 0, ran.stderr[-2000:]
     result = ran.json()
     assert result["hazard"] == disabled, result
