@@ -112,9 +112,8 @@ class CacheRecheck:
 
 
 def _backend(callback: object, attr: str) -> object:
-    """The backend Dynamo keys cache entries by: the end of the callback's chain of wrapped backends
-    (``get_backend`` in Dynamo's C code walks the same attribute). Should torch key them otherwise
-    (precompile cache keys), nothing matches and the frame compiles as before."""
+    """The end of the callback's chain of wrapped backends, as ``get_backend`` in Dynamo's C code walks it:
+    what a compile made through the fix is remembered by, and compared with (:func:`_same_backend`)."""
     while hasattr(callback, attr):
         callback = getattr(callback, attr)
     return callback
