@@ -375,9 +375,13 @@ class _ObservedLock:
         return getattr(self.lock, name)
 
     def wait_for(self, threads: list[threading.Thread], timeout: float) -> None:
-        """Until every one of ``threads`` has asked for the lock (or has ended)."""
+        """Until every one of ``threads`` has started and then asked for the lock (or ended). A thread not
+        started yet is not alive either: without the ``ident`` check it would count as ended."""
         with self.changed:
-            self.changed.wait_for(lambda: all(t.ident in self.waiting or not t.is_alive() for t in threads), timeout)
+            self.changed.wait_for(
+                lambda: all(t.ident is not None and (t.ident in self.waiting or not t.is_alive()) for t in threads),
+                timeout,
+            )
 
 
 @contextlib.contextmanager
