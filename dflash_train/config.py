@@ -204,9 +204,7 @@ class Ranks:
         env = os.environ
         if "WORLD_SIZE" not in env:
             return cls()
-        return cls(
-            int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), True
-        )
+        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), True)
 
     @property
     def is_main(self) -> bool:

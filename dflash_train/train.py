@@ -249,9 +249,7 @@ def train(config: TrainConfig) -> TrainResult:
 
 def peak_memory(devices: set[torch.device]) -> dict[str, float]:
     """This process's peak memory in GiB: allocated by torch on each CUDA device, and resident (host)."""
-    peaks = {
-        str(d): torch.cuda.max_memory_allocated(d) / 2**30 for d in sorted(devices, key=str) if d.type == "cuda"
-    }
+    peaks = {str(d): torch.cuda.max_memory_allocated(d) / 2**30 for d in sorted(devices, key=str) if d.type == "cuda"}
     try:
         import resource  # Unix only
     except ImportError:
