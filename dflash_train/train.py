@@ -31,7 +31,7 @@ from .evaluate import acceptance_length, show_blocks
 from .model import Drafter, drafter_config, make_replicas
 from .report import MetricsLog, plot_metrics
 from .target import Target, load_target, prepare_target, regenerate
-from .workers import Job, StepSync, Turnstile, Watchdog, drafter_worker, target_worker
+from .workers import Job, StepSync, Turnstile, Watchdog, drafter_worker, stop_on_ctrl_c, target_worker
 
 
 @dataclass
@@ -360,34 +360,32 @@ def _run_threads(
     drafters = [t for t in job.threads if t.name.startswith("drafter")]
     done, loss, first_report, rate = start, None, None, None
     first_step_s: dict[str, float] = {}
-    with Watchdog(job, cfg.watchdog_timeout), bar:
+    announced_stop = False
+    with Watchdog(job, cfg.watchdog_timeout), bar, stop_on_ctrl_c(job):
         while job.failure is None:
-            try:
-                try:
-                    event = job.events.get(timeout=0.2)
-                except queue.Empty:
-                    if not any(t.is_alive() for t in drafters):
-                        break  # all reports are in: replica 0 posts before it leaves
-                    continue
-                if event.pop("type") == "first_step":
-                    first_step_s[event["thread"]] = event["seconds"]
-                    continue
-                now = time.monotonic()
-                done, loss = event["step"], event["loss"]
-                # Throughput from the second report on: the first step includes compilation.
-                if first_report is None:
-                    first_report = now
-                elif now > first_report:
-                    rate = (done - start - 1) * tokens_per_step / (now - first_report)
-                depth = sum(q.qsize() for q in inboxes)
-                metrics.write("train", **event, tokens_per_s=rate, queue_depth=depth)
-                bar.update(done - bar.n)
-                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{event['acc']:.2f}", tok_s=f"{rate or 0:.0f}", queue=depth)
-            except KeyboardInterrupt:
-                if job.stop_requested.is_set():
-                    raise  # a second Ctrl-C: leave now, without a checkpoint
-                job.stop_requested.set()
+            if job.stop_requested.is_set() and not announced_stop:
                 bar.write("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to quit at once)")
+                announced_stop = True
+            try:
+                event = job.events.get(timeout=0.2)
+            except queue.Empty:
+                if not any(t.is_alive() for t in drafters):
+                    break  # all reports are in: replica 0 posts before it leaves
+                continue
+            if event.pop("type") == "first_step":
+                first_step_s[event["thread"]] = event["seconds"]
+                continue
+            now = time.monotonic()
+            done, loss = event["step"], event["loss"]
+            # Throughput from the second report on: the first step includes compilation.
+            if first_report is None:
+                first_report = now
+            elif now > first_report:
+                rate = (done - start - 1) * tokens_per_step / (now - first_report)
+            depth = sum(q.qsize() for q in inboxes)
+            metrics.write("train", **event, tokens_per_s=rate, queue_depth=depth)
+            bar.update(done - bar.n)
+            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{event['acc']:.2f}", tok_s=f"{rate or 0:.0f}", queue=depth)
         job.close()  # releases the target workers (and everyone else, after a failure)
         deadline = time.monotonic() + 30  # a thread busy compiling leaves at its next step boundary
         for thread in job.threads:

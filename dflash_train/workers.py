@@ -13,13 +13,15 @@ Nothing here serialises compilation: threads compile concurrently, which ``impor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -282,6 +284,33 @@ def drafter_worker(
                 after_step(step + 1, last)
         if last:
             return
+
+
+# --- Ctrl-C -------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def stop_on_ctrl_c(job: Job) -> Iterator[None]:
+    """While training: the first Ctrl-C (SIGINT) asks every replica to stop after the current step (replica 0
+    then saves a checkpoint), the second quits at once.
+
+    A handler that sets an event, rather than Python's KeyboardInterrupt: that is raised between any two
+    bytecodes of the main thread, in the middle of a report or inside a queue's locked section. A process
+    that inherited SIGINT ignored (started with ``&`` from a script) keeps ignoring it, as Python does."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield  # handlers can be set in the main thread only
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if job.stop_requested.is_set():
+            raise KeyboardInterrupt
+        job.stop_requested.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # --- watchdog -----------------------------------------------------------------------------------------
