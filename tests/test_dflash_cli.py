@@ -39,16 +39,23 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """``python [launcher] -m dflash_train args``; ``launcher`` runs it under torchrun, for instance."""
     return subprocess.run(
-        [sys.executable, *launcher, "-m", "dflash_train", *args],
+        [sys.executable, "-u", *launcher, "-m", "dflash_train", *args],
         capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO, **kwargs,
     )  # fmt: skip
+
+
+def _default_sigint() -> None:
+    # Tests run from a script in the background (`cmd &`) inherit SIGINT ignored, and Python keeps
+    # ignoring it: the trainer would never see the test's Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def start_training(args: list[str], metrics: Path, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start ``python [launcher] -m dflash_train args`` and return once ``metrics`` holds a training step."""
     proc = subprocess.Popen(
-        [sys.executable, *launcher, "-m", "dflash_train", *args],
+        [sys.executable, "-u", *launcher, "-m", "dflash_train", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO,
+        preexec_fn=_default_sigint,
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and '"train"' in metrics.read_text()):
@@ -131,6 +138,24 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     ran = run_cli([*flags, "--steps", str(step + 2), "--resume"])
     assert ran.returncode == 0, ran.stderr
     assert f"done: {step + 2} steps" in ran.stdout
+
+
+def test_a_second_ctrl_c_quits_at_once(tmp_path):
+    # A drafter stuck in its step: the first Ctrl-C waits for that step, the second leaves without it.
+    # The watchdog (30 s) ends the run with exit code 3 if the second one does not.
+    flags = [*tiny_flags(tmp_path), "--no-compile", "--eval-prompts", "0", "--watchdog-timeout", "30"]
+    proc = start_training([*flags, "--steps", "50", "--fault", "hang@drafter:2"], tmp_path / "run" / "metrics.jsonl")
+    try:
+        proc.send_signal(signal.SIGINT)
+        for line in proc.stdout:  # unbuffered (-u): the line shows once the first Ctrl-C was handled
+            if line.startswith("Ctrl-C: finishing this step"):
+                break
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "dflash-train: interrupted" in stderr and "checkpoint saved" not in stderr
 
 
 @pytest.fixture
