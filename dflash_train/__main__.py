@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from .config import ConfigError, Ranks, TrainConfig, build_parser, make_config, read_config_file
 
@@ -45,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{me}: {e}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        print(f"{me}: interrupted", file=sys.stderr)
+        print(f"{me}: interrupted", file=sys.stderr, flush=True)
+        if threading.active_count() > 1:
+            # Quit at once, workers and all: tearing the interpreter down under a thread still inside a
+            # torch op can abort the process ("terminate called without an active exception").
+            sys.stdout.flush()
+            os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     if not ranks.is_main:
         # Even when interrupted: torchrun stops every rank when one exits non-zero, and rank 0 may still be
