@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 
 
@@ -49,6 +50,47 @@ def side_by_side(fn: Callable[[], object], calls: int, rounds: int) -> dict[str,
     }
 
 
+def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
+    """Bytecode instructions executed and Python/C functions called by one ``fn()``, with and without
+    torchfix: the work it adds, counted exactly, where the timed ratio is only as steady as the machine."""
+    import torchfix
+
+    def count(installed: bool) -> tuple[int, int]:
+        torchfix.install() if installed else torchfix.uninstall()
+        fn()  # warm: the first call after a swap may take paths later calls do not
+        opcodes = calls = 0
+
+        def trace(frame: types.FrameType, event: str, arg: object) -> Callable[..., object]:
+            nonlocal opcodes
+            frame.f_trace_opcodes = True
+            opcodes += event == "opcode"
+            return trace
+
+        def profile(frame: types.FrameType, event: str, arg: object) -> None:
+            nonlocal calls
+            calls += event in ("call", "c_call")
+
+        sys.settrace(trace)
+        try:
+            fn()
+        finally:
+            sys.settrace(None)
+        sys.setprofile(profile)
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
+        return opcodes, calls
+
+    (opcodes_without, calls_without), (opcodes_with, calls_with) = count(False), count(True)
+    return {
+        "opcodes_with_torchfix": opcodes_with,
+        "opcodes_without_torchfix": opcodes_without,
+        "calls_with_torchfix": calls_with,
+        "calls_without_torchfix": calls_without,
+    }
+
+
 def _import_seconds(code: str, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -82,6 +124,7 @@ def run(quick: bool = False) -> dict[str, object]:
         "torch": str(torch.__version__),
         "fixes": {s.name: s.state.value for s in torchfix.status()},
         "compiled_call": side_by_side(lambda: compiled(x), calls, rounds),
+        "compiled_call_work": work_per_call(lambda: compiled(x)),
         "flag_read": side_by_side(predicate, calls * 10, rounds),
     }
     result.update(import_cost(repeats=1 if quick else 7))
@@ -96,6 +139,12 @@ def table(result: dict) -> str:
             f"{key:<14} with {r['with_torchfix_per_s']:>12,.0f}/s  without {r['without_torchfix_per_s']:>12,.0f}/s"
             f"  ratio {r['ratio']:.4f} (quartiles {r['ratio_q1']:.3f} - {r['ratio_q3']:.3f})"
         )
+    work = result["compiled_call_work"]
+    lines.append(
+        f"one compiled call executes {work['opcodes_with_torchfix']} bytecode instructions and "
+        f"{work['calls_with_torchfix']} calls with torchfix, {work['opcodes_without_torchfix']} and "
+        f"{work['calls_without_torchfix']} without"
+    )
     lines += [
         f"import torchfix (torch already imported): {result['import_torchfix_after_torch_ms']:.1f} ms",
         f"import torch: {result['import_torch_ms']:.0f} ms; "
