@@ -113,7 +113,9 @@ print(json.dumps(seen))
 def test_joint_trace_backward_sees_is_compiling_in_the_compiling_thread(disabled):
     # What runs for a compile but is not traced by Dynamo (a custom op's fake kernel, and its backward
     # formula run by torch.autograd.grad while AOTAutograd traces the joint graph) must still see
-    # is_compiling() True: on CPU autograd runs those on the compiling thread, where the value lives.
+    # is_compiling() True. The backward formula runs on the compiling thread, where the value lives, on
+    # every device: AOTAutograd traces with autograd multithreading off, so CUDA's device thread is not
+    # used either (checked here through the engine's switch; on CPU the calling thread runs it anyway).
     ran = run_ok(
         """
 import json, threading
@@ -130,6 +132,7 @@ def _(x):
     return torch.empty_like(x)
 def backward(ctx, grad):
     seen.add(("backward", threading.current_thread().name, torch.compiler.is_compiling()))
+    seen.add(("backward: autograd multithreading", torch._C._is_multithreading_enabled()))
     return grad * 2
 double.register_autograd(backward)
 compiled = torch.compile(lambda x: double(x).sum(), backend="aot_eager")
@@ -142,7 +145,11 @@ print(json.dumps(sorted(seen)))
     if ran is None:
         pytest.skip("torch.library.custom_op needs torch 2.4+")
     compiling = HAS_H3  # before 2.13 only export paths set the flag
-    assert ran == [["backward", "compiler", compiling], ["fake", "compiler", compiling]]
+    assert ran == [
+        ["backward", "compiler", compiling],
+        ["backward: autograd multithreading", False],
+        ["fake", "compiler", compiling],
+    ]
 
 
 def test_set_compilation_env_clears_the_flag_of_its_own_thread():

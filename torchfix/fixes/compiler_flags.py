@@ -21,14 +21,11 @@ Where the value must follow a compile to another thread (what we found in torch 
 * The flag is set around the compile of a frame, in the compiling thread. Everything torch runs *for* that
   compile in Python runs there too: Dynamo, AOTAutograd, the joint-graph trace (``torch.autograd.grad`` on
   fake tensors), Inductor's lowering. Inductor's worker pools compile generated code and never read the flag.
-* The joint graph's backward nodes run on the thread of the autograd engine that owns the device: for CPU
-  tensors the calling (compiling) thread, so the value follows; tested on CPU (a custom op's fake kernel
-  and its backward formula, run while AOTAutograd traces the joint graph, see True). For CUDA the engine
-  runs them on its device thread. The readers there are wrapper-subclass ``__torch_dispatch__``
-  implementations (the ones the 2.13 comment in ``compile_inner`` names) and anything else in a backward
-  formula: under torchfix they read False on that thread (upstream reads True only because the flag is
-  shared by every thread, which is the hazard). Not covered yet: carrying the value onto autograd's device
-  threads needs a hook in the engine's thread-local state, which Python cannot reach; untested on CUDA.
+* The joint graph's backward nodes run on the compiling thread too, on every device: AOTAutograd builds its
+  dispatcher (joint-graph trace included) under ``torch.autograd.set_multithreading_enabled(False)`` in
+  every release from 2.0, so autograd runs them on the calling thread rather than on CUDA's device thread.
+  Tested: a custom op's fake kernel and its backward formula see True while AOTAutograd traces the joint
+  graph, and the backward sees autograd multithreading off (the switch that keeps CUDA work on that thread).
 * A lazily compiled backward is compiled at the first ``backward()``, outside any Dynamo compile session:
   upstream does not set the flag there either, so per-thread storage changes nothing for it.
 """
