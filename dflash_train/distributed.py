@@ -78,6 +78,9 @@ class Collectives:
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         high, low = int(extremes[0]), -int(extremes[1])
         if high != low:
+            # Every rank stops here together: take the group down now, not in the interpreter's teardown,
+            # where rank 0 (which serves the group's store) once aborted ("terminate called ...").
+            self.close()
             raise ConfigError(f"every rank needs the same number of {what}: here {value}, on the ranks {low} to {high}")
 
     def wait_for_others(self) -> None:
