@@ -39,7 +39,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """``python [launcher] -m dflash_train args``; ``launcher`` runs it under torchrun, for instance."""
     return subprocess.run(
-        [sys.executable, "-u", *launcher, "-m", "dflash_train", *args],
+        [sys.executable, *launcher, "-m", "dflash_train", *args],
         capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO, **kwargs,
     )  # fmt: skip
 
