@@ -15,9 +15,10 @@ import os
 import symtable
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
-from ._source import CodeSwap, Edit, ShapeError, iter_code, live_functions, parse, replace_node, segment
+from ._source import Edit, PatchedFile, ShapeError, iter_code, live_functions, parse, replace_node, segment
 
 _GLOBAL_OPS = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"}
 
@@ -55,7 +56,7 @@ class SourcePatch:
         self.module_name = module
         self.relpath = relpath  # the file inside a torch source tree, e.g. "torch/fx/_symbolic_trace.py"
         self._module: types.ModuleType | None = None
-        self._swap: CodeSwap | None = None
+        self._file: PatchedFile | None = None
 
     def edits(self, source: str) -> list[Edit]:
         raise NotImplementedError
@@ -67,24 +68,25 @@ class SourcePatch:
     def apply(self) -> None:
         module = importlib.import_module(self.module_name)
         source = read_source(module)
-        swap = CodeSwap.prepare(module, source, self.edits(source))
+        patched_file = PatchedFile.of(module, source)
+        swap_in = patched_file.add(self, self.edits(source))  # checks everything, changes nothing
         self._install_state(module, source)
-        swap.apply()
-        self._module, self._swap = module, swap
+        swap_in()
+        self._module, self._file = module, patched_file
 
     @property
     def patched(self) -> bool:
         return self._module is not None
 
     def revert(self) -> None:
-        if self._swap is None:
+        if self._file is None:
             return
-        self._swap.revert()
+        self._file.remove(self)
         self._remove_state(self._module)
-        self._module = self._swap = None
+        self._module = self._file = None
 
     def verify(self) -> None:
-        if self._swap is None or not self._swap.is_applied():
+        if self._file is None or not self._file.is_applied(self):
             raise ShapeError(f"{self.module_name}: patched code is not in place")
 
     def _install_state(self, module: types.ModuleType, source: str) -> None:
@@ -215,7 +217,6 @@ class ThreadLocalGlobals(SourcePatch):
         self.attrs = attrs  # global name -> attribute of the thread-local holder
         # Names some releases do not have yet (torch adds flags over time): moved where the file defines them.
         self.optional = optional
-        self._saved_getattr: object = None
         self._moved: dict[str, str] = {}  # the attrs moved in the live module
 
     def _present(self, defined: object) -> dict[str, str]:
@@ -266,8 +267,7 @@ class ThreadLocalGlobals(SourcePatch):
             if namespace[name] != literals[name][0]:
                 setattr(holder, attr, namespace[name])
         namespace[self.holder] = holder
-        self._saved_getattr = namespace.get("__getattr__")
-        namespace["__getattr__"] = _module_getattr(module.__name__, holder, moved, self._saved_getattr)
+        _MovedGlobals.of(module).add({name: (holder, attr) for name, attr in moved.items()})
         for name in moved:
             del namespace[name]
         self._moved = moved
@@ -278,10 +278,7 @@ class ThreadLocalGlobals(SourcePatch):
         # The calling thread's values become the shared globals again.
         for name, attr in self._moved.items():
             namespace[name] = getattr(holder, attr)
-        if self._saved_getattr is None:
-            namespace.pop("__getattr__", None)
-        else:
-            namespace["__getattr__"] = self._saved_getattr
+        _MovedGlobals.of(module).remove(self._moved)
         self._moved = {}
 
     def verify(self) -> None:
@@ -324,16 +321,51 @@ class ThreadLocalGlobals(SourcePatch):
             raise ShapeError(f"{module.__name__}: {', '.join(self._moved)} did not behave per-thread after patching")
 
 
-def _module_getattr(module_name: str, holder: object, moved: dict[str, str], previous: object) -> types.FunctionType:
-    def __getattr__(name: str) -> object:
-        attr = moved.get(name)
-        if attr is not None:
-            return getattr(holder, attr)
-        if previous is not None:
-            return previous(name)
-        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+class _MovedGlobals:
+    """The module ``__getattr__`` (PEP 562) that serves the moved globals of one module, whichever patch
+    moved them: patches of one module come and go in any order, and the ``__getattr__`` the module had
+    before the first of them is restored after the last."""
 
-    return __getattr__
+    _by_module: ClassVar[dict[str, _MovedGlobals]] = {}
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self.namespace = vars(module)
+        self.previous = self.namespace.get("__getattr__")
+        self.moved: dict[str, tuple[object, str]] = {}  # global name -> (holder, attribute)
+
+    @classmethod
+    def of(cls, module: types.ModuleType) -> _MovedGlobals:
+        found = cls._by_module.get(module.__name__)
+        return found if found is not None and found.namespace is vars(module) else cls(module)
+
+    def add(self, moved: dict[str, tuple[object, str]]) -> None:
+        if not self.moved:
+            self.namespace["__getattr__"] = self._getattr()
+            self._by_module[self.namespace["__name__"]] = self
+        self.moved.update(moved)
+
+    def remove(self, names: Iterable[str]) -> None:
+        for name in names:
+            self.moved.pop(name, None)
+        if not self.moved:
+            del self._by_module[self.namespace["__name__"]]
+            if self.previous is None:
+                self.namespace.pop("__getattr__", None)
+            else:
+                self.namespace["__getattr__"] = self.previous
+
+    def _getattr(self) -> types.FunctionType:
+        moved, previous, module_name = self.moved, self.previous, self.namespace["__name__"]
+
+        def __getattr__(name: str) -> object:
+            found = moved.get(name)
+            if found is not None:
+                return getattr(*found)
+            if previous is not None:
+                return previous(name)
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+        return __getattr__
 
 
 class AttributeUses(SourcePatch):

@@ -18,8 +18,9 @@ import ast
 import difflib
 import functools
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 class ShapeError(Exception):
@@ -181,49 +182,103 @@ def live_functions(module: types.ModuleType) -> Iterator[types.FunctionType]:
                 yield func
 
 
-@dataclass
-class CodeSwap:
-    """Replacement code for the live functions a list of edits touches; reversible."""
+def _overlap(a: Edit, b: Edit) -> bool:
+    """Whether two edits touch the same text (or insert at the same point: their order would be a guess)."""
+    if a.line != b.line:
+        return False
+    if a.start_col == a.end_col or b.start_col == b.end_col:
+        return a.start_col == b.start_col or a.start_col < b.end_col and b.start_col < a.end_col
+    return a.start_col < b.end_col and b.start_col < a.end_col
 
-    swaps: list[tuple[types.FunctionType, types.CodeType, types.CodeType]]  # (function, original, patched)
+
+class PatchedFile:
+    """Every source patch applied to one live module, compiled together.
+
+    Each patch adds a layer of edits. The edited functions get their code from the file with *all* the
+    active layers applied, so two patches of one function (or of one file) compose, in whatever order they
+    are applied and removed: removing a layer recompiles the file with the others, and a function no
+    layer touches any more gets torch's own code back. Compiling each patch's edits alone would make the
+    second patch of a function silently replace the first.
+
+    One instance per module (:meth:`of`), kept while any layer is applied. Every check that can fail runs
+    in :meth:`_plan`, before the first ``__code__`` changes.
+    """
+
+    _files: ClassVar[dict[str, PatchedFile]] = {}
+
+    def __init__(self, module: types.ModuleType, source: str) -> None:
+        self.module, self.source = module, source
+        self.layers: dict[object, list[Edit]] = {}  # owner (a patch) -> its edits, in application order
+        self.original: dict[types.FunctionType, types.CodeType] = {}  # torch's code of each function swapped
+        self.installed: dict[types.FunctionType, types.CodeType] = {}  # the code put there
 
     @classmethod
-    def prepare(cls, module: types.ModuleType, source: str, edits: list[Edit]) -> CodeSwap:
-        """Compile the edited file and pair each touched live function with its new code.
+    def of(cls, module: types.ModuleType, source: str) -> PatchedFile:
+        patched = cls._files.get(module.__name__)
+        if patched is None:
+            return cls(module, source)
+        if patched.module is not module or patched.source != source:
+            raise ShapeError(f"{module.__name__}: the module or its file changed since it was first patched")
+        return patched
 
-        Nothing is changed yet: any mismatch raises :class:`ShapeError` before the first swap.
-        """
-        filename = module.__file__
-        new_source = apply_edits(source, edits)
-        tree = parse(source)
+    def add(self, owner: object, edits: list[Edit]) -> Callable[[], None]:
+        """Check that ``owner``'s edits compose with the others and compile; return what swaps them in."""
+        if owner in self.layers:
+            raise ShapeError(f"{self.module.__name__}: this patch is applied already")
+        for other_owner, other in self.layers.items():
+            clash = next((e for e in edits for o in other if _overlap(e, o)), None)
+            if clash is not None:
+                raise ShapeError(
+                    f"{self.module.__name__} line {clash.line}: edited by {type(other_owner).__name__} already"
+                )
+        layers = {**self.layers, owner: edits}
+        return self._plan(layers)
+
+    def remove(self, owner: object) -> None:
+        if owner in self.layers:
+            self._plan({k: v for k, v in self.layers.items() if k is not owner})()
+
+    def is_applied(self, owner: object) -> bool:
+        return owner in self.layers and all(func.__code__ is code for func, code in self.installed.items())
+
+    def _plan(self, layers: dict[object, list[Edit]]) -> Callable[[], None]:
+        """The swaps that give every live function the code of the file with ``layers`` applied."""
+        module, filename = self.module, self.module.__file__
+        edits = [edit for layer in layers.values() for edit in layer]
+        tree = parse(self.source)
         try:
-            compiled = compile(new_source, filename, "exec", dont_inherit=True)
+            compiled = compile(apply_edits(self.source, edits), filename, "exec", dont_inherit=True)
         except SyntaxError as exc:
             raise ShapeError(f"the edited {filename} does not compile: {exc}") from exc
         new_codes = {(c.co_name, c.co_firstlineno): c for c in iter_code(compiled)}
 
-        swaps = []
+        target: dict[types.FunctionType, types.CodeType] = {}
         for qualname, node in {outermost_function(tree, e.line) for e in edits}:
             func = resolve_function(module, qualname, filename)
+            original = self.original.get(func, func.__code__)
             line = first_line(node)
-            if func.__code__.co_firstlineno != line:
+            if original.co_firstlineno != line:
                 raise ShapeError(
                     f"{module.__name__}.{qualname}: the live function starts at line "
-                    f"{func.__code__.co_firstlineno}, the file at {line}: source and module differ"
+                    f"{original.co_firstlineno}, the file at {line}: source and module differ"
                 )
             new_code = new_codes[(node.name, line)]
-            if new_code.co_freevars != func.__code__.co_freevars:
+            if new_code.co_freevars != original.co_freevars:
                 raise ShapeError(f"{module.__name__}.{qualname}: the edit changed the function's closure")
-            swaps.append((func, func.__code__, new_code))
-        return cls(swaps)
+            target[func] = new_code
 
-    def apply(self) -> None:
-        for func, _, patched in self.swaps:
-            func.__code__ = patched
+        def swap() -> None:
+            for func in list(self.installed):
+                if func not in target:  # no layer edits it any more
+                    func.__code__ = self.original.pop(func)
+                    del self.installed[func]
+            for func, code in target.items():
+                self.original.setdefault(func, func.__code__)
+                func.__code__ = self.installed[func] = code
+            self.layers = layers
+            if layers:
+                self._files[module.__name__] = self
+            else:
+                self._files.pop(module.__name__, None)
 
-    def revert(self) -> None:
-        for func, original, _ in self.swaps:
-            func.__code__ = original
-
-    def is_applied(self) -> bool:
-        return all(func.__code__ is patched for func, _, patched in self.swaps)
+        return swap

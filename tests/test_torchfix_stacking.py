@@ -1,0 +1,111 @@
+"""Patches of one function and of one file compose, in any order of applying and reverting them.
+
+Each runs in a fresh interpreter: the patched modules must not leak into other tests.
+"""
+
+import pytest
+from conftest import HAS_H1, TORCH_VERSION, run_ok
+
+# A module of its own (no torch state involved) and two patches of its one function: one edits the
+# first return value, the other the second. Before patches stacked, the second compiled the file with
+# its own edit only, so applying it silently undid the first, and its verify() still passed.
+TWO_PATCHES_ON_ONE_FUNCTION = """
+import ast, json, sys, pathlib, tempfile
+folder = pathlib.Path(tempfile.mkdtemp())
+(folder / "stacked.py").write_text("def pair():\\n    return ('first', 'second')\\n\\ndef other():\\n    return 1\\n")
+sys.path.insert(0, str(folder))
+import stacked
+from torchfix._patch import SourcePatch
+from torchfix._source import parse, replace_node
+
+class Replace(SourcePatch):
+    def __init__(self, function, index, text):
+        super().__init__("stacked", "stacked.py")
+        self.function, self.index, self.text = function, index, text
+    def edits(self, source):
+        func = next(n for n in parse(source).body if getattr(n, "name", None) == self.function)
+        value = func.body[0].value
+        node = value.elts[self.index] if isinstance(value, ast.Tuple) else value
+        return [replace_node(node, self.text)]
+
+a, b, c = Replace("pair", 0, "'A'"), Replace("pair", 1, "'B'"), Replace("other", 0, "2")
+original = stacked.pair.__code__
+seen = dict()
+for patch in {order}:
+    patch.apply()
+    patch.verify()
+seen["applied"] = [stacked.pair(), stacked.other()]
+{revert}.revert()
+seen["one_reverted"] = [stacked.pair(), stacked.other()]
+for patch in (a, b, c):
+    patch.revert()
+seen["all_reverted"] = [stacked.pair(), stacked.other(), stacked.pair.__code__ is original]
+clash = Replace("pair", 0, "'X'")
+a.apply()
+try:
+    clash.apply()
+except Exception as exc:
+    seen["clash"] = type(exc).__name__
+seen["after_clash"] = stacked.pair()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize(
+    "order, revert, after_one",
+    [
+        ("(a, b, c)", "a", [["first", "B"], 2]),
+        ("(b, a, c)", "b", [["A", "second"], 2]),
+        ("(c, a, b)", "c", [["A", "B"], 1]),
+    ],
+    ids=["revert-first-applied", "revert-first-applied-other-order", "revert-other-function"],
+)
+def test_two_patches_of_one_function_compose(order, revert, after_one):
+    seen = run_ok(TWO_PATCHES_ON_ONE_FUNCTION.format(order=order, revert=revert)).json()
+    assert seen == {
+        "applied": [["A", "B"], 2],
+        "one_reverted": after_one,
+        "all_reverted": [["first", "second"], 1, True],
+        "clash": "ShapeError",  # two patches may not edit the same text
+        "after_clash": ["A", "second"],  # and the refused one changed nothing
+    }
+
+
+@pytest.mark.skipif(
+    not HAS_H1 or TORCH_VERSION.release < (2, 5),
+    reason="needs a torch where both fixes move globals of torch.fx._symbolic_trace (CURRENT_PATCHER: 2.5+)",
+)
+def test_two_fixes_of_one_file_revert_in_either_order():
+    # fx-tracing-flag and trace-patch-isolation both move globals of torch.fx._symbolic_trace to
+    # per-thread holders, served to other modules by one module __getattr__.
+    ran = run_ok("""
+import json
+import torch
+import torch.fx._symbolic_trace as st
+from torchfix import fixes
+from torchfix._fix import revert_all
+by_name = {fix.name: fix for fix in fixes.ALL}
+version = str(torch.__version__)
+original = st.Tracer.trace.__code__, st.is_fx_tracing.__code__
+seen = dict()
+flag_status, flag_patches = by_name["fx-tracing-flag"].apply(version)
+iso_status, iso_patches = by_name["trace-patch-isolation"].apply(version)
+seen["states"] = [flag_status.state.value, iso_status.state.value]
+revert_all(flag_patches)  # the first applied goes first
+seen["flag_back"] = "_is_fx_tracing_flag" in vars(st) and "_is_fx_tracing_tls" not in vars(st)
+seen["isolation_kept"] = "_thread_patches" in vars(st) and "CURRENT_PATCHER" not in vars(st)
+st.CURRENT_PATCHER  # still served by the module __getattr__ of the fix that stays
+for patch in iso_patches:
+    patch.verify()
+revert_all(iso_patches)
+seen["restored"] = (st.Tracer.trace.__code__, st.is_fx_tracing.__code__) == original
+seen["no_getattr"] = "__getattr__" not in vars(st) and "CURRENT_PATCHER" in vars(st)
+print(json.dumps(seen))
+""", disable="1").json()
+    assert ran == {
+        "states": ["applied", "applied"],
+        "flag_back": True,
+        "isolation_kept": True,
+        "restored": True,
+        "no_getattr": True,
+    }
