@@ -75,7 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"first step done (from the job's start, compilation included): {firsts}", flush=True)
     d = result.dynamo
     fallback = f"eager fallbacks: {d['graph_breaks']} graph breaks, {d['frames_failed']} frames not compiled"
-    print(f"torch.compile: {d['unique_graphs']} graphs; {fallback if d['eager_fallback'] else 'no eager fallback'}")
+    line = f"{d['unique_graphs']} graphs; {fallback if d['eager_fallback'] else 'no eager fallback'}"
+    if cfg.compile_mode == "default":
+        print(f"torch.compile: {line}")
+    else:
+        if cfg.compile_mode == "reduce-overhead":
+            skips = d["cudagraph_skips"]
+            line += (
+                f"; CUDA graphs skipped {skips} times (see the warnings above)" if skips else "; no CUDA graph skipped"
+            )
+        print(f"torch.compile (mode {cfg.compile_mode}): {line}")
     return 0
 
 

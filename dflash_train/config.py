@@ -89,6 +89,14 @@ class TrainConfig:
         "attention and its block mask are always compiled with inductor",
         metavar="NAME",
     )
+    compile_mode: str = _opt(
+        "default",
+        "torch.compile mode on CUDA drafters: 'default' (the layers eager, flex attention and its block mask "
+        "compiled), 'reduce-overhead' (each drafter layer's training step compiled, flex attention and gradient "
+        "checkpointing inside, and replayed as CUDA graphs), 'max-autotune-no-cudagraphs' (the same, autotuned, "
+        "without CUDA graphs)",
+        metavar="MODE",
+    )
     eval_prompts: int = _opt(8, "held-out prompts for the acceptance length tau (0: skip evaluation)")
     eval_prompt_len: int = _opt(64, "tokens per evaluation prompt")
     eval_new_tokens: int = _opt(96, "tokens generated per evaluation prompt")
@@ -167,6 +175,7 @@ class TrainConfig:
         if not 0 <= cfg.min_lr_ratio <= 1 or cfg.lr <= 0:
             raise ConfigError("--lr must be positive and --min-lr-ratio in [0, 1]")
         parse_devices(cfg.target_devices, "--target-devices")
+        check_compile_mode(cfg)
         if cfg.fault and not FAULT_SPEC.match(cfg.fault):
             raise ConfigError(f"--fault {cfg.fault!r}: use 'raise@drafter:STEP', 'hang@target:STEP', ...")
         replicas = Ranks.from_env().world_size * cfg.drafter_thread_count()
@@ -225,6 +234,26 @@ def parse_devices(spec: str, flag: str) -> list[str]:
         if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
             raise ConfigError(f"{flag}: '{d}' is not a device (use 'cpu', 'cuda' or 'cuda:N')")
     return devices
+
+
+# torch.compile(mode=...) values the trainer takes; all but 'default' compile the drafter layers on CUDA.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+def check_compile_mode(cfg: TrainConfig) -> None:
+    """--compile-mode: a known mode, and one that means something for this run (no torch needed)."""
+    mode = cfg.compile_mode
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"--compile-mode {mode!r}: use {', '.join(repr(m) for m in COMPILE_MODES)}")
+    if mode == "default":
+        return
+    if not cfg.compile:
+        raise ConfigError(f"--compile-mode {mode} compiles the drafter layers: it cannot go with --no-compile")
+    if all(d.startswith("cpu") for d in parse_devices(cfg.drafter_devices, "--drafter-devices")):
+        raise ConfigError(
+            f"--compile-mode {mode} is for CUDA drafters, and the drafter devices are {cfg.drafter_devices!r}: on the "
+            "CPU the drafter layers are compiled as --backend says (and CUDA graphs exist only on CUDA)"
+        )
 
 
 def _flag(name: str) -> str:

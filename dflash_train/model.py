@@ -119,8 +119,8 @@ class Drafter(nn.Module):
         # Frozen and shared with the target (and every replica on the same device): kept in a tuple so
         # they are not registered, hence not in parameters(), state_dict() or the optimizer.
         self.frozen = (embed, lm_head)
-        # What training calls per layer: the layers themselves, or their compiled versions.
-        self.train_layer_fns: list[Callable[..., torch.Tensor]] = list(self.layers)
+        # What training calls per layer, gradient checkpointing included: see compile_layers.
+        self.train_layer_fns: list[Callable[..., torch.Tensor]] = [checkpointed(layer) for layer in self.layers]
         self._init_weights(cfg.initializer_range)
 
     def _init_weights(self, std: float) -> None:
@@ -128,11 +128,21 @@ class Drafter(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
 
-    def compile_layers(self, backend: str) -> None:
-        """Compile each decoder layer for training (CPU path: dense mask + SDPA inside the graph).
+    def compile_layers(self, backend: str, mode: str | None = None) -> None:
+        """Compile each decoder layer's training call. Evaluation keeps the eager layers: its shapes change
+        at every step.
 
-        Evaluation keeps the eager layers: its shapes change at every step."""
-        self.train_layer_fns = [torch.compile(layer, backend=backend) for layer in self.layers]
+        ``mode`` None (the CPU path: dense mask + SDPA in the graph): the compiled layer runs under the
+        checkpoint, as the eager one does. A ``mode`` (``--compile-mode``, the CUDA path: flex attention in
+        the graph) puts the checkpoint inside the compiled function instead. Outside, the backward would
+        recompute the compiled forward (replay its CUDA graph) on autograd's device thread, which CUDA graph
+        trees handle badly; traced by Dynamo, the recompute is part of the compiled backward."""
+        if mode is None:
+            self.train_layer_fns = [checkpointed(torch.compile(layer, backend=backend)) for layer in self.layers]
+        else:
+            self.train_layer_fns = [
+                torch.compile(checkpointed(layer), backend=backend, mode=mode) for layer in self.layers
+            ]
 
     @property
     def embed(self) -> nn.Module:
@@ -160,7 +170,7 @@ class Drafter(nn.Module):
         cos, sin = self.rotary(hidden, position_ids)
         for layer, train_fn in zip(self.layers, self.train_layer_fns):
             if self.training:
-                hidden = checkpoint(train_fn, hidden, context, cos, sin, mask, use_reentrant=False)
+                hidden = train_fn(hidden, context, cos, sin, mask)
             else:
                 hidden = layer(hidden, context, cos, sin, mask)
         return self.norm(hidden)
@@ -207,6 +217,23 @@ class Drafter(nn.Module):
             hidden = self(features, block_ids, position_ids, mask)
             logits = self.lm_head(hidden[:, 1:])
         return logits.argmax(-1)[0].tolist()
+
+
+def checkpointed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A layer's training call: ``fn`` under non-reentrant gradient checkpointing (its activations are
+    recomputed in the backward). ``.checkpointed`` is ``fn``."""
+
+    def train_call(
+        hidden: torch.Tensor,
+        context: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | BlockMask,
+    ) -> torch.Tensor:
+        return checkpoint(fn, hidden, context, cos, sin, mask, use_reentrant=False)
+
+    train_call.checkpointed = fn  # type: ignore[attr-defined]
+    return train_call
 
 
 def autocast(device: torch.device):

@@ -118,6 +118,39 @@ def frozen_heads(targets: list[Target], devices: set[torch.device]) -> dict[torc
     return heads
 
 
+def compile_replica(replica: Drafter, device: torch.device, cfg: TrainConfig) -> None:
+    """What runs compiled in a replica's training step. On the CPU: its layers, with --backend (dense mask
+    and SDPA in the graph). On CUDA with --compile-mode default: flex attention and the block mask, compiled
+    once for all threads where model.py and masks.py define them; the layers stay eager. On CUDA with
+    another mode: each layer's training call (flex attention and the checkpoint inside), by inductor in
+    that mode."""
+    if not cfg.compile:
+        return
+    if device.type == "cpu":
+        replica.compile_layers(cfg.backend)
+    elif cfg.compile_mode != "default":
+        replica.compile_layers("inductor", mode=cfg.compile_mode)
+
+
+def uses_cudagraphs(cfg: TrainConfig, drafter_devices: list[torch.device]) -> bool:
+    """Whether this process's drafter steps replay CUDA graphs (the layers of its CUDA replicas)."""
+    return cfg.compile and cfg.compile_mode == "reduce-overhead" and any(d.type == "cuda" for d in drafter_devices)
+
+
+def check_cudagraph_threads(cfg: TrainConfig, drafter_devices: list[torch.device]) -> None:
+    """Before torch 2.13 CUDA graph trees work only in the first Python thread that uses them: in the others,
+    the first compiled call fails an assertion (pytorch/pytorch#123177, fixed in 2.13). Say so at start."""
+    threads = sum(d.type == "cuda" for d in drafter_devices)
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if uses_cudagraphs(cfg, drafter_devices) and threads > 1 and release < (2, 13):
+        raise ConfigError(
+            f"--compile-mode reduce-overhead with {threads} drafter threads on CUDA in one process needs torch 2.13 "
+            f"or later (this is {torch.__version__}): before 2.13, CUDA graphs work in one Python thread of a "
+            "process only (pytorch/pytorch#123177). Run one drafter thread per process (torchrun), or use "
+            "--compile-mode max-autotune-no-cudagraphs"
+        )
+
+
 def train(config: TrainConfig) -> TrainResult:
     """The whole job. Under torchrun, every rank calls it; rank 0 alone writes outputs and reports."""
     started = time.monotonic()
@@ -138,6 +171,7 @@ def train(config: TrainConfig) -> TrainResult:
         for d in resolve_devices(cfg.drafter_devices, "--drafter-devices", offset)
         for _ in range(cfg.drafter_threads_per_device)
     ]
+    check_cudagraph_threads(cfg, drafter_devices)
     collectives = Collectives(ranks, drafter_devices[0], cfg.dist_timeout, gloo_only=cfg.ranks_share_devices)
     collectives.check_same(len(drafter_devices), "drafter threads")
 
@@ -163,7 +197,9 @@ def train(config: TrainConfig) -> TrainResult:
             f"{targets[0].hidden_size}, tapped layers {targets[0].tap_ids}; drafter: {cfg.drafter_layers} layers, "
             f"{sum(p.numel() for p in replicas[0].parameters()):,} trainable parameters, block {cfg.block_size}; "
             f"{len(replicas)} drafter threads on {cfg.drafter_devices}, {len(targets)} target thread(s) on "
-            f"{cfg.target_devices}" + (f"; in each of {ranks.world_size} ranks" if ranks.world_size > 1 else ""),
+            f"{cfg.target_devices}"
+            + (f"; in each of {ranks.world_size} ranks" if ranks.world_size > 1 else "")
+            + (f"; drafter layers compiled with mode {cfg.compile_mode}" if cfg.compile_mode != "default" else ""),
             flush=True,
         )
 
@@ -191,8 +227,7 @@ def train(config: TrainConfig) -> TrainResult:
     try:
         tau_before = evaluate(start, "before training" if start == 0 else f"at step {start} (resumed)")
         for replica, device in zip(replicas, drafter_devices):
-            if cfg.compile and device.type == "cpu":
-                replica.compile_layers(cfg.backend)
+            compile_replica(replica, device, cfg)
         cpu_workers = sum(d.type == "cpu" for d in [*drafter_devices, *target_devices]) * ranks.local_world_size
         with cpu_thread_budget(cpu_workers):
             run = _run_threads(
@@ -226,6 +261,7 @@ def train(config: TrainConfig) -> TrainResult:
             final_loss=run.final_loss,
             tokens_per_s=run.tokens_per_s,
             interrupted=run.interrupted,
+            compile_mode=cfg.compile_mode,
         )
     finally:
         metrics.close()
@@ -261,7 +297,9 @@ def peak_memory(devices: set[torch.device]) -> dict[str, float]:
 def dynamo_summary() -> dict[str, object]:
     """Whether torch.compile ran everything it was given compiled (issues 4 and 7): graphs compiled,
     graph breaks (part of a function ran eagerly) and frames that failed to compile (all of it ran
-    eagerly), from Dynamo's process-wide counters (the same keys in torch 2.0 - 2.15)."""
+    eagerly), from Dynamo's process-wide counters (the same keys in torch 2.0 - 2.15); and how often
+    inductor compiled a graph without the CUDA graphs its mode asked for (issue 11: 0 unless
+    --compile-mode reduce-overhead; the key exists from torch 2.6)."""
     from torch._dynamo.utils import counters
 
     breaks = counters["graph_break"]
@@ -272,6 +310,7 @@ def dynamo_summary() -> dict[str, object]:
         "frames_failed": failed,
         "eager_fallback": bool(breaks) or failed > 0,
         "graph_break_reasons": sorted(breaks)[:5],
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
     }
 
 
@@ -302,7 +341,7 @@ def _run_threads(
     if start >= end:
         return _Run(start, None, None, False, {})
     job = Job(metrics.started)
-    sync = StepSync(replicas, job, collectives)
+    sync = StepSync(replicas, job, collectives, cudagraph_steps=uses_cudagraphs(cfg, devices))
     inboxes: list[queue.Queue] = [queue.Queue(maxsize=cfg.queue_size) for _ in replicas]
 
     def make_batch(step: int) -> StepBatch:

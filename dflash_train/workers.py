@@ -200,10 +200,19 @@ class GradientAverager:
 class StepSync:
     """The drafter threads' rendezvous after each backward. The last thread to arrive averages the
     gradients (across ranks too) and takes the step's stop decision, so every replica of every rank
-    leaves after the same step."""
+    leaves after the same step.
 
-    def __init__(self, replicas: list[Drafter], job: Job, collectives: Collectives):
+    With ``cudagraph_steps`` (--compile-mode reduce-overhead on CUDA), it also tells CUDA graphs that the
+    next training step begins (``torch.compiler.cudagraph_mark_step_begin``), here, once for all threads.
+    The mark is one process-wide counter (torch 2.13 - 2.15), while each thread has its own CUDA graph tree:
+    a thread marking the start of its own step would begin a new generation for the other threads in the
+    middle of theirs, and while those warm up or record their graphs, that invalidates their live outputs
+    ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"). At the barrier
+    no drafter thread of the process is inside a step: all have done their backward."""
+
+    def __init__(self, replicas: list[Drafter], job: Job, collectives: Collectives, cudagraph_steps: bool = False):
         self.job = job
+        self.cudagraph_steps = cudagraph_steps
         self.size = len(replicas)
         self.average = GradientAverager(replicas, collectives)
         self._stats: list[tuple[torch.Tensor, torch.Tensor, int]] = [None] * self.size  # type: ignore[list-item]
@@ -233,8 +242,11 @@ class StepSync:
             raise
         self.report = {"loss": loss, "acc": correct / max(1, labels)}
         self.stop = stop > 0
+        if self.cudagraph_steps:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def wait(self, index: int, loss: torch.Tensor, correct: torch.Tensor, labels: int) -> None:
+        # Eager tensors (the loss is computed outside the compiled layers), read as numbers at the barrier.
         self._stats[index] = (loss.detach(), correct, labels)
         self.barrier.wait()
 
@@ -272,6 +284,8 @@ def drafter_worker(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         optimizer.step()
+        # Dropped, not zeroed: with CUDA graphs the layers' gradients are graph outputs, which the next
+        # step's replay overwrites.
         optimizer.zero_grad(set_to_none=True)
         job.progress()
         if step == steps[0]:
