@@ -1,4 +1,4 @@
-"""python -m bench [overhead] [coldstart] [trainer] [--device DEV] [--quick] [--out DIR]: print a table and
+"""python -m bench [overhead] [coldstart] [trainer] [cudagraphs] [--device DEV] [--quick] [--out DIR]: print a table and
 write JSON per benchmark."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import argparse
 import json
 from pathlib import Path
 
-from . import coldstart, overhead, trainer
+from . import coldstart, cudagraphs, overhead, trainer
 
-BENCHMARKS = {"overhead": overhead, "coldstart": coldstart, "trainer": trainer}
+BENCHMARKS = {"overhead": overhead, "coldstart": coldstart, "trainer": trainer, "cudagraphs": cudagraphs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,11 +18,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     parser.add_argument("--out", default="bench/results", help="where to write <name>.json")
     parser.add_argument("--device", default="cpu", help="device for coldstart and trainer (cpu, cuda:0, ...)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per configuration of cudagraphs")
+    parser.add_argument("--configs", default="", help="cudagraphs: indices of the configurations to run (0,1,...)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.names or list(BENCHMARKS):
         options = {"device": args.device} if name in ("coldstart", "trainer") else {}
+        if name == "cudagraphs":
+            options = {"runs": args.runs, "configs": args.configs}
         result = BENCHMARKS[name].run(quick=args.quick, **options)
         print(f"== {name}\n{BENCHMARKS[name].table(result)}")
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 
 import wrapt
 
@@ -82,20 +83,51 @@ def install() -> list[FixStatus]:
         for fix in fixes.ALL:
             if fix.name not in off:
                 waiting.setdefault(fix.trigger, []).append(fix)
-        for trigger, group in waiting.items():
-            if trigger in sys.modules:
-                _apply(group)
-                continue
-            for fix in group:
-                _set(FixStatus(fix.name, State.PENDING, f"applied when {trigger} is imported"))
-            wrapt.register_post_import_hook(lambda _m, g=_generation, fs=group: _on_import(g, fs), trigger)
+        if "torch" in sys.modules:
+            _arm(waiting)
+        else:
+            for group in waiting.values():
+                for fix in group:
+                    _set(FixStatus(fix.name, State.PENDING, f"applied when {fix.trigger} is imported"))
+            _when_imported("torch", lambda: _arm(waiting))
         return status()
 
 
-def _on_import(generation: int, group: list[Fix]) -> None:
-    with _lock:
-        if generation == _generation and _installed:  # else uninstalled since (maybe reinstalled)
+def _arm(waiting: dict[str, list[Fix]]) -> None:
+    """With torch imported: apply the fixes whose trigger module is loaded, and wait for the others'.
+
+    A trigger module this torch does not have (CUDA graph trees before 2.1) makes its fixes "not needed":
+    a hook on it would wait for ever."""
+    for trigger, group in waiting.items():
+        if trigger in sys.modules:
             _apply(group)
+        elif not _module_file_exists(trigger):
+            for fix in group:
+                _set(FixStatus(fix.name, State.NOT_NEEDED, f"this torch has no {trigger}"))
+        else:
+            for fix in group:
+                _set(FixStatus(fix.name, State.PENDING, f"applied when {trigger} is imported"))
+            _when_imported(trigger, lambda group=group: _apply(group))
+
+
+def _module_file_exists(name: str) -> bool:
+    """Whether a submodule of an imported package has a file, without importing it (``find_spec`` would
+    import its parent packages, and ``torch._inductor`` costs an import of its own)."""
+    top, *rest = name.split(".")
+    base = os.path.join(os.path.dirname(sys.modules[top].__file__), *rest)
+    return os.path.exists(base + ".py") or os.path.exists(os.path.join(base, "__init__.py"))
+
+
+def _when_imported(module: str, action: Callable[[], None]) -> None:
+    """Run ``action`` once ``module`` is imported, unless uninstall() was called meanwhile."""
+    generation = _generation
+
+    def on_import(_module: object) -> None:
+        with _lock:
+            if generation == _generation and _installed:  # else uninstalled since (maybe reinstalled)
+                action()
+
+    wrapt.register_post_import_hook(on_import, module)
 
 
 def _apply(active: list[Fix]) -> None:

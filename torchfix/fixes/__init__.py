@@ -1,7 +1,16 @@
 """Every fix torchfix knows, in the order they are applied (and reverted in reverse)."""
 
 from .._fix import Fix
-from . import backward_compile, compile_cache_recheck, compiler_flags, fx_tracing_flag, trace_patch_isolation
+from . import (
+    backward_compile,
+    compile_cache_recheck,
+    compiler_flags,
+    cudagraph_step_counters,
+    cudagraph_thread_trees,
+    cudagraph_tree_callable,
+    fx_tracing_flag,
+    trace_patch_isolation,
+)
 
 ALL: list[Fix] = [
     fx_tracing_flag.FIX,
@@ -9,4 +18,7 @@ ALL: list[Fix] = [
     trace_patch_isolation.FIX,
     backward_compile.FIX,
     compile_cache_recheck.FIX,
+    cudagraph_thread_trees.FIX,
+    cudagraph_tree_callable.FIX,
+    cudagraph_step_counters.FIX,
 ]

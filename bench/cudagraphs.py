@@ -1,0 +1,83 @@
+"""CUDA graphs across threads: how many runs of ``tests/cuda_graph_threads.py`` pass, per configuration.
+
+Each run is a fresh interpreter with fresh Inductor/Triton cache folders: 3 threads train their own
+attention block compiled with ``mode="reduce-overhead"``, every step checked against an eager twin. The
+configurations turn the cudagraph fixes off one at a time (TORCHFIX_DISABLE), with and without
+``cudagraph_mark_step_begin()`` each step, so each row says which failure a part of the fix removes.
+CUDA only; ``--quick`` runs one configuration once, a smoke test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "cuda_graph_threads.py"
+# (label, TORCHFIX_DISABLE, mark-step each step)
+CONFIGS = [
+    ("torchfix", "", False),
+    ("torchfix, mark-step", "", True),
+    ("without cudagraph-thread-trees", "cudagraph-thread-trees", False),
+    ("without cudagraph-tree-callable", "cudagraph-tree-callable", False),
+    ("without cudagraph-step-counters, mark-step", "cudagraph-step-counters", True),
+    ("without torchfix", "1", False),
+]
+
+
+def one(disable: str, mark_step: bool, steps: int, timeout: float) -> dict:
+    caches = tempfile.mkdtemp(prefix="bench-cudagraphs-")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    env.update(TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
+    if disable:
+        env["TORCHFIX_DISABLE"] = disable
+    command = [sys.executable, str(SCRIPT), "--steps", str(steps), "--timeout", str(timeout)]
+    command += ["--mark-step"] if mark_step else []
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout + 60)
+    except subprocess.TimeoutExpired:
+        return {"passed": False, "outcome": "killed after the timeout"}
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"passed": False, "outcome": f"died (exit {proc.returncode}): {tail[:200]}"}
+    report = json.loads(lines[-1])
+    if report["hung"]:
+        outcome = f"hung: {', '.join(report['hung'])}"
+    elif report["errors"]:
+        outcome = f"{len(report['errors'])} of {len(report['steps_done'])} threads failed: " + "; ".join(
+            sorted(set(report["errors"].values()))
+        )
+    else:
+        outcome = f"all threads {steps} steps equal to eager (max diff {max(report['max_diff'].values()):.2g})"
+    return {"passed": proc.returncode == 0, "outcome": outcome, "wall_s": report["wall_s"]}
+
+
+def run(quick: bool = False, runs: int = 3, configs: str = "") -> dict[str, object]:
+    """``configs``: indices into CONFIGS, comma-separated (default: all)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"torch": str(torch.__version__), "rows": [], "skipped": "needs a CUDA device"}
+    chosen = [CONFIGS[int(i)] for i in configs.split(",")] if configs else CONFIGS
+    chosen, runs, steps = (chosen[:1], 1, 5) if quick else (chosen, runs, 40)
+    rows = []
+    for label, disable, mark_step in chosen:
+        # Without torchfix the threads deadlock (H5): one short run says so.
+        timeout = 120.0 if disable == "1" else 240.0
+        results = [one(disable, mark_step, steps, timeout) for _ in range(runs)]
+        rows.append({"config": label, "passed": sum(r["passed"] for r in results), "runs": results})
+    return {"torch": str(torch.__version__), "device": torch.cuda.get_device_name(), "steps": steps, "rows": rows}
+
+
+def table(result: dict) -> str:
+    if result.get("skipped"):
+        return f"torch {result['torch']}: skipped ({result['skipped']})"
+    lines = [f"torch {result['torch']}, {result['device']}, 3 threads, {result['steps']} steps, cold caches"]
+    for row in result["rows"]:
+        lines.append(f"{row['config']}: {row['passed']} of {len(row['runs'])} runs passed")
+        lines += [f"    {r['outcome']}" for r in row["runs"]]
+    return "\n".join(lines)

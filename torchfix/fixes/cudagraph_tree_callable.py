@@ -1,0 +1,133 @@
+"""cudagraph-tree-callable: a compiled graph's CUDA graphs live in the tree of the thread whose work it is (H7).
+
+Inductor wraps each graph compiled with ``mode="reduce-overhead"`` in ``compile_fx.cudagraphify``, which
+makes the graph's CUDA-graph callable on its first call and keeps it: one callable for every thread up to
+torch 2.12, and from 2.13 one per *calling* thread (a ``threading.local``, upstream pytorch/pytorch#184357).
+The callable records into, and replays from, the tree of the thread that made it. Neither keying is right
+for training in threads:
+
+* shared (<= 2.12): every thread runs in the first thread's tree, so one thread's replay overwrites the
+  outputs another thread still holds ("accessing tensor output of CUDAGraphs that has been overwritten
+  by a subsequent run");
+* per calling thread (2.13+): backward graphs run on autograd's CUDA device thread, one thread for all
+  user threads, so every thread's backward lands in the tree of whichever thread's backward ran first.
+
+The fix keys the callable by the tree of the thread whose work it is: ``cudagraph_trees.get_container``,
+which on autograd's device thread returns the containers of the thread whose backward it runs (the C++
+thread-local stash it inherits). ``cudagraphify`` builds its callable through a ``_cudagraphify_per_tree``
+of its own, a dispatcher that makes one callable per tree; from 2.13 every calling thread gets that same
+dispatcher from it (2.13's ``threading.local`` is left as it is: without CUDA graph trees it still keeps
+torch's per-thread callables). Measured on an H200
+(torch 2.11, 3 threads training with ``mode="reduce-overhead"``): keyed per calling thread, 2 of 3 threads
+failed at step 1 in 3 of 3 runs; keyed per tree, all threads matched eager for 40 steps in 2 of 2 runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import threading
+import types
+import weakref
+from collections.abc import Callable, Sequence
+
+from packaging.specifiers import SpecifierSet
+
+from .._fix import Fix
+from .._patch import SourcePatch
+from .._source import Edit, ShapeError, parse, replace_node, segment
+
+MODULE = "torch._inductor.compile_fx"
+HELPER = "_cudagraphify_per_tree"
+
+
+class PerTree:
+    """A compiled graph's CUDA-graph callables, one per CUDA graph tree (per host thread and device).
+
+    ``cudagraphify`` makes one per graph (``_cudagraphify_per_tree()`` in its ``functools.partial``) and
+    calls it where it called ``cudagraphify_impl(model, inputs, static_input_idxs, **kwargs)``: in one
+    thread up to 2.12, in every calling thread from 2.13. Each gets the same :meth:`dispatch` back, so the
+    callables are per tree whichever threads call them.
+    """
+
+    def __init__(self) -> None:
+        self._make: Callable[[list], Callable] | None = None
+        self._device_index = -1
+        # Keyed weakly by the tree's container: a thread that ends takes its trees and their callables along.
+        self._by_tree: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, make: Callable, model: Callable, _inputs: object, static_input_idxs: Sequence[int] = (), **kwargs: object
+    ) -> Callable[[list], object]:
+        with self._lock:
+            if self._make is None:  # the inputs are only looked at for which of them are ints: any call's do
+                self._make = lambda inputs: make(model, inputs, static_input_idxs, **kwargs)
+                self._device_index = kwargs["device_index"]
+        return self.dispatch
+
+    def dispatch(self, new_inputs: list) -> object:
+        from torch._inductor import cudagraph_trees
+
+        tree = cudagraph_trees.get_container(self._device_index)
+        fn = self._by_tree.get(tree)
+        if fn is None:
+            with self._lock:
+                fn = self._by_tree.get(tree)
+                if fn is None:
+                    fn = self._by_tree[tree] = self._make(new_inputs)
+        return fn(new_inputs)
+
+
+class _CallablePerTree(SourcePatch):
+    def __init__(self) -> None:
+        super().__init__(MODULE, "torch/_inductor/compile_fx.py")
+
+    def describe(self) -> str:
+        return super().describe() + f"; adds {HELPER}, which makes a graph's CUDA-graph callable once per tree"
+
+    def edits(self, source: str) -> list[Edit]:
+        cudagraphify = next(
+            (n for n in parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "cudagraphify"), None
+        )
+        if cudagraphify is None:
+            raise ShapeError(f"{self.relpath}: no cudagraphify")
+        partials = [
+            node.args[0]
+            for node in ast.walk(cudagraphify)
+            if isinstance(node, ast.Call)
+            and segment(source, node.func) == "functools.partial"
+            and node.args
+            and segment(source, node.args[0]) == "new_cudagraphify_impl"
+        ]
+        if len(partials) != 1:
+            raise ShapeError(f"{self.relpath}: expected one functools.partial(new_cudagraphify_impl, ...)")
+        return [replace_node(partials[0], f"{HELPER}(), new_cudagraphify_impl")]
+
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
+        if HELPER in vars(module):
+            raise ShapeError(f"{MODULE} has a {HELPER} already")
+        vars(module)[HELPER] = PerTree
+
+    def _remove_state(self, module: types.ModuleType) -> None:
+        vars(module).pop(HELPER, None)
+
+
+def _probe() -> str | None:
+    module = importlib.import_module(MODULE)
+    if HELPER in vars(module):
+        return "CUDA-graph callables are per tree already"
+    if not hasattr(module, "cudagraphify"):
+        return f"{MODULE} has no cudagraphify (no CUDA graphs in this torch)"
+    return None
+
+
+FIX = Fix(
+    name="cudagraph-tree-callable",
+    hazard="with mode='reduce-overhead', threads replay each other's CUDA graphs (overwritten outputs), and "
+    "from torch 2.13 every thread's backward runs in the tree of the first thread whose backward ran",
+    versions=SpecifierSet(">=2.1,<2.16", prereleases=True),
+    probe=_probe,
+    patches=lambda _torch_version: [_CallablePerTree()],
+    trigger=MODULE,
+)
