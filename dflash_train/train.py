@@ -132,23 +132,9 @@ def compile_replica(replica: Drafter, device: torch.device, cfg: TrainConfig) ->
         replica.compile_layers("inductor", mode=cfg.compile_mode)
 
 
-def uses_cudagraphs(cfg: TrainConfig, drafter_devices: list[torch.device]) -> bool:
-    """Whether this process's drafter steps replay CUDA graphs (the layers of its CUDA replicas)."""
-    return cfg.compile and cfg.compile_mode == "reduce-overhead" and any(d.type == "cuda" for d in drafter_devices)
-
-
-def check_cudagraph_threads(cfg: TrainConfig, drafter_devices: list[torch.device]) -> None:
-    """Before torch 2.13 CUDA graph trees work only in the first Python thread that uses them: in the others,
-    the first compiled call fails an assertion (pytorch/pytorch#123177, fixed in 2.13). Say so at start."""
-    threads = sum(d.type == "cuda" for d in drafter_devices)
-    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    if uses_cudagraphs(cfg, drafter_devices) and threads > 1 and release < (2, 13):
-        raise ConfigError(
-            f"--compile-mode reduce-overhead with {threads} drafter threads on CUDA in one process needs torch 2.13 "
-            f"or later (this is {torch.__version__}): before 2.13, CUDA graphs work in one Python thread of a "
-            "process only (pytorch/pytorch#123177). Run one drafter thread per process (torchrun), or use "
-            "--compile-mode max-autotune-no-cudagraphs"
-        )
+def uses_cudagraphs(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether a replica on ``device`` trains with CUDA graphs (its layers' compiled training calls)."""
+    return cfg.compile and cfg.compile_mode == "reduce-overhead" and device.type == "cuda"
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -171,7 +157,6 @@ def train(config: TrainConfig) -> TrainResult:
         for d in resolve_devices(cfg.drafter_devices, "--drafter-devices", offset)
         for _ in range(cfg.drafter_threads_per_device)
     ]
-    check_cudagraph_threads(cfg, drafter_devices)
     collectives = Collectives(ranks, drafter_devices[0], cfg.dist_timeout, gloo_only=cfg.ranks_share_devices)
     collectives.check_same(len(drafter_devices), "drafter threads")
 
@@ -341,7 +326,7 @@ def _run_threads(
     if start >= end:
         return _Run(start, None, None, False, {})
     job = Job(metrics.started)
-    sync = StepSync(replicas, job, collectives, cudagraph_steps=uses_cudagraphs(cfg, devices))
+    sync = StepSync(replicas, job, collectives)
     inboxes: list[queue.Queue] = [queue.Queue(maxsize=cfg.queue_size) for _ in replicas]
 
     def make_batch(step: int) -> StepBatch:
@@ -390,6 +375,7 @@ def _run_threads(
                 chunk_blocks=cfg.loss_chunk,
                 fault=fault,
                 after_step=after_step if index == 0 and ranks.is_main else None,
+                cudagraph_steps=uses_cudagraphs(cfg, device),
             ),
         )
 

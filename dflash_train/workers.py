@@ -200,19 +200,10 @@ class GradientAverager:
 class StepSync:
     """The drafter threads' rendezvous after each backward. The last thread to arrive averages the
     gradients (across ranks too) and takes the step's stop decision, so every replica of every rank
-    leaves after the same step.
+    leaves after the same step."""
 
-    With ``cudagraph_steps`` (--compile-mode reduce-overhead on CUDA), it also tells CUDA graphs that the
-    next training step begins (``torch.compiler.cudagraph_mark_step_begin``), here, once for all threads.
-    The mark is one process-wide counter (torch 2.13 - 2.15), while each thread has its own CUDA graph tree:
-    a thread marking the start of its own step would begin a new generation for the other threads in the
-    middle of theirs, and while those warm up or record their graphs, that invalidates their live outputs
-    ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"). At the barrier
-    no drafter thread of the process is inside a step: all have done their backward."""
-
-    def __init__(self, replicas: list[Drafter], job: Job, collectives: Collectives, cudagraph_steps: bool = False):
+    def __init__(self, replicas: list[Drafter], job: Job, collectives: Collectives):
         self.job = job
-        self.cudagraph_steps = cudagraph_steps
         self.size = len(replicas)
         self.average = GradientAverager(replicas, collectives)
         self._stats: list[tuple[torch.Tensor, torch.Tensor, int]] = [None] * self.size  # type: ignore[list-item]
@@ -242,8 +233,6 @@ class StepSync:
             raise
         self.report = {"loss": loss, "acc": correct / max(1, labels)}
         self.stop = stop > 0
-        if self.cudagraph_steps:
-            torch.compiler.cudagraph_mark_step_begin()
 
     def wait(self, index: int, loss: torch.Tensor, correct: torch.Tensor, labels: int) -> None:
         # Eager tensors (the loss is computed outside the compiled layers), read as numbers at the barrier.
@@ -266,16 +255,26 @@ def drafter_worker(
     chunk_blocks: int,
     fault: str,
     after_step: Callable[[int, bool], None] | None,
+    cudagraph_steps: bool = False,
 ) -> None:
     """Train ``replica`` for ``steps``. Replica 0 reports each step and calls ``after_step(done, last)``
     (checkpointing) with the number of steps done and whether the run ends there. Every replica reports
-    when its first step is done (with compilation, the time a user waits for training to start)."""
+    when its first step is done (with compilation, the time a user waits for training to start).
+
+    ``cudagraph_steps``: the replica's layers replay CUDA graphs (--compile-mode reduce-overhead), and each
+    step begins with ``torch.compiler.cudagraph_mark_step_begin()``: the memory of the previous step's graph
+    outputs may be reused from there. Nothing keeps such an output across steps: the loss and the accuracy
+    are computed outside the graphs, and the gradients, graph outputs of the backward, are dropped at the
+    end of the step. The mark is this thread's: torchfix makes it per thread (torch keeps one process-wide
+    counter, which would start a new step in every other thread's CUDA graphs in the middle of theirs)."""
     replica.train()
     for step in steps:
         if index == sync.size - 1:
             inject_fault(fault, "drafter", step)
         batch: StepBatch = job.get(inbox)  # type: ignore[assignment]
         assert batch.step == step, f"replica {index} expected step {step}, got {batch.step}"
+        if cudagraph_steps:
+            torch.compiler.cudagraph_mark_step_begin()
         loss, correct = replica.training_loss(batch, flex=flex, chunk_blocks=chunk_blocks)
         loss.backward()
         sync.wait(index, loss, correct, int((batch.weights > 0).sum()))
@@ -284,8 +283,7 @@ def drafter_worker(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         optimizer.step()
-        # Dropped, not zeroed: with CUDA graphs the layers' gradients are graph outputs, which the next
-        # step's replay overwrites.
+        # Dropped, not zeroed: with CUDA graphs the layers' gradients are graph outputs (see above).
         optimizer.zero_grad(set_to_none=True)
         job.progress()
         if step == steps[0]:
