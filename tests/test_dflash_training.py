@@ -4,6 +4,8 @@ replicas stay identical, data parallelism is exact, resume is exact, bad checkpo
 from __future__ import annotations
 
 import dataclasses
+import json
+import threading
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from safetensors.torch import load_file
 
 from dflash_train.config import ConfigError, TrainConfig
 from dflash_train.train import train
+from dflash_train.workers import WorkerFailed
 
 
 @pytest.fixture
@@ -123,3 +126,80 @@ def test_local_hugging_face_model_and_tokenizer(tiny, tmp_path):
     assert result.steps_done == 2 and result.drafters[0].block_size == 16
     assert result.drafters[0].mask_token_id == tokenizer.vocab_size  # "<|MASK|>" added, within 320 rows
     assert 1.0 <= result.tau_after <= 16
+
+
+# --- --compile-mode reduce-overhead, on the CPU (issue 11) -------------------------------------------------
+
+
+@pytest.fixture
+def cudagraph_code_on_cpu(monkeypatch) -> list[str]:
+    """The trainer's --compile-mode code path run on the CPU: the CPU check off, each replica's layers compiled
+    as on CUDA (the checkpoint inside) but by the eager backend, and the steps marked for CUDA graphs, as they
+    are on CUDA. Returns the names of the threads that marked a step, one entry per mark."""
+    from dflash_train import config as config_module
+    from dflash_train import train as train_module
+
+    marks: list[str] = []
+    real_compile_replica = train_module.compile_replica
+
+    def compile_replica(replica, device, cfg):
+        if cfg.compile_mode == "default":
+            return real_compile_replica(replica, device, cfg)
+        replica.compile_layers("eager", cfg.compile_mode)
+
+    monkeypatch.setattr(config_module, "check_compile_mode", lambda cfg: None)
+    monkeypatch.setattr(train_module, "compile_replica", compile_replica)
+    monkeypatch.setattr(train_module, "uses_cudagraphs", lambda cfg, device: cfg.compile_mode == "reduce-overhead")
+    monkeypatch.setattr(
+        torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(threading.current_thread().name)
+    )
+    return marks
+
+
+def test_every_drafter_thread_marks_each_of_its_steps_for_cuda_graphs(tiny, cudagraph_code_on_cpu):
+    eager = train(dataclasses.replace(tiny, steps=3, out_dir=tiny.out_dir + "-eager"))
+    cfg = dataclasses.replace(tiny, steps=3, compile=True, compile_mode="reduce-overhead")
+    result = train(cfg)
+    assert result.final_loss == pytest.approx(eager.final_loss, rel=1e-6)
+    # Each drafter thread marks each of its steps; the target thread marks none (it runs no CUDA graph).
+    assert sorted(cudagraph_code_on_cpu) == ["drafter-0 (cpu)"] * 3 + ["drafter-1 (cpu)"] * 3
+    records = [json.loads(line) for line in open(cfg.out_dir + "/metrics.jsonl")]
+    assert records[-1]["type"] == "summary" and records[-1]["compile_mode"] == "reduce-overhead"
+    assert next(r for r in records if r["type"] == "dynamo")["eager_fallback"] is False
+
+
+def test_a_failure_inside_the_compiled_layer_stops_the_job(tiny, cudagraph_code_on_cpu, monkeypatch):
+    """An error raised while a compiled (on CUDA: CUDA-graphed) layer runs reaches the worker-exception path:
+    the job stops with the failing thread's name and traceback."""
+    from dflash_train import train as train_module
+
+    calls = [0]
+
+    @torch.library.custom_op("dflash_test::fail_on_call", mutates_args=())
+    def fail_on_call(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 7:  # in the second step: after the first one's compile and barrier
+            raise RuntimeError("failure inside the compiled layer")
+        return x.clone()
+
+    fail_on_call.register_fake(lambda x: torch.empty_like(x))
+    fail_on_call.register_autograd(lambda ctx, grad: grad)
+
+    class Failing(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, *args):
+            return fail_on_call(self.layer(*args))
+
+    def compile_failing(replica, device, cfg):
+        replica.layers[-1] = Failing(replica.layers[-1])
+        replica.compile_layers("eager", cfg.compile_mode)
+
+    monkeypatch.setattr(train_module, "compile_replica", compile_failing)
+    cfg = dataclasses.replace(tiny, steps=20, compile=True, compile_mode="reduce-overhead")
+    with pytest.raises(WorkerFailed, match=r"worker thread 'drafter-\d \(cpu\)' failed") as failed:
+        train(cfg)
+    assert "RuntimeError: failure inside the compiled layer" in str(failed.value)
+    assert "Traceback (most recent call last)" in str(failed.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -170,3 +171,103 @@ def test_speculative_decoding_reproduces_target_greedy(tiny_pair):
         assert all(1 <= a <= 8 for a in out.accepted)
         if tau is not None:
             assert sum(out.accepted[:-1]) / len(out.accepted[:-1]) == tau
+
+
+# --- --compile-mode (issue 11): which functions are compiled, and how ------------------------------------
+
+
+@pytest.fixture
+def replica(tiny_pair):
+    """A fresh drafter in training mode (the tiny pair's target, its own weights)."""
+    model, target, _ = tiny_pair
+    cfg = drafter_config(model.config, 2, 8, target.tap_ids, ByteTokenizer.MASK)
+    (drafter,) = make_replicas(cfg, {CPU: (target.input_embeddings(), target.output_head())}, [CPU], seed=0)
+    return drafter.train()
+
+
+@pytest.fixture
+def compile_calls(monkeypatch):
+    """Every torch.compile call from here on, as (function, keyword arguments); compiling stays lazy."""
+    calls, real = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append((fn, kwargs)) or real(fn, **kwargs))
+    return calls
+
+
+def test_default_compile_mode_builds_todays_functions(replica, compile_calls):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from dflash_train import masks, model
+    from dflash_train.config import TrainConfig
+    from dflash_train.train import compile_replica
+
+    # On CUDA: flex attention and its block mask, compiled once at import for every thread...
+    assert model.compiled_flex_attention._torchdynamo_orig_callable is flex_attention
+    assert masks.compiled_create_block_mask._torchdynamo_orig_callable is create_block_mask
+    # ... and the layers eager, under the checkpoint.
+    cfg = TrainConfig().resolved()
+    assert cfg.compile and cfg.compile_mode == "default"
+    compile_replica(replica, torch.device("cuda", 0), cfg)
+    assert compile_calls == []
+    assert [fn.checkpointed for fn in replica.train_layer_fns] == list(replica.layers)
+    # On the CPU: each layer compiled with --backend, the checkpoint outside it.
+    compile_replica(replica, CPU, dataclasses.replace(cfg, backend="aot_eager"))
+    assert compile_calls == [(layer, {"backend": "aot_eager"}) for layer in replica.layers]
+    for fn, layer in zip(replica.train_layer_fns, replica.layers):
+        assert isinstance(fn.checkpointed, torch._dynamo.eval_frame.OptimizedModule)
+        assert fn.checkpointed._orig_mod is layer
+    # --no-compile: nothing compiled anywhere.
+    compile_calls.clear()
+    for device in (CPU, torch.device("cuda", 0)):
+        compile_replica(replica, device, dataclasses.replace(cfg, compile=False))
+    assert compile_calls == []
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compile_mode_compiles_each_layers_training_call_with_the_checkpoint_inside(replica, compile_calls, mode):
+    from dflash_train.config import TrainConfig
+    from dflash_train.train import compile_replica
+
+    cfg = dataclasses.replace(TrainConfig(), drafter_devices="cuda:0", compile_mode=mode).resolved()
+    compile_replica(replica, torch.device("cuda", 0), cfg)
+    assert [kwargs for _, kwargs in compile_calls] == [{"backend": "inductor", "mode": mode}] * 2
+    assert [fn.checkpointed for fn, _ in compile_calls] == list(replica.layers)
+    assert [fn._torchdynamo_orig_callable for fn in replica.train_layer_fns] == [fn for fn, _ in compile_calls]
+
+
+def _step(drafter, batch, flex):
+    loss, correct = drafter.training_loss(batch, flex=flex, chunk_blocks=2)
+    loss.backward()
+    return loss.item(), correct.item(), {n: p.grad for n, p in drafter.named_parameters()}
+
+
+@pytest.mark.parametrize("flex", [False, True], ids=["dense", "flex"])
+def test_layers_compiled_with_the_checkpoint_inside_train_as_the_eager_layers(tiny_pair, monkeypatch, flex):
+    """The --compile-mode path (compile_layers with a mode), by a CPU backend: the same loss and gradients as
+    the eager layers, in one graph per layer signature (no graph break). ``flex``: the CUDA path's graph, flex
+    attention on a BlockMask inside the compiled checkpoint, run by aot_eager (CPU flex attention has no backward
+    of its own: its device check is switched off, the math runs as on CUDA)."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention import flex_attention as flex_module
+
+    from dflash_train import masks
+    from dflash_train.batch import make_step_batch
+
+    model, target, _ = tiny_pair
+    cfg = drafter_config(model.config, 2, 8, target.tap_ids, ByteTokenizer.MASK)
+    eager, compiled = make_replicas(cfg, {CPU: (target.input_embeddings(), target.output_head())}, [CPU] * 2, seed=0)
+    tokens = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(0))
+    batch = make_step_batch(tokens, 0, batch_size=2, seq_len=48, num_anchors=4, block_size=8, gamma=4.0, seed=0)
+    batch.features = target.features(batch.input_ids)
+    want = _step(eager.train(), batch, flex=False)
+    if flex:
+        if not hasattr(flex_module, "_validate_device"):
+            pytest.skip("this torch checks flex attention's device elsewhere")
+        monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+        monkeypatch.setattr(masks, "compiled_create_block_mask", flex_module.create_block_mask)  # no C++ compile
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    compiled.compile_layers("aot_eager" if flex else "eager", mode="reduce-overhead")
+    loss, correct, grads = _step(compiled.train(), batch, flex=flex)
+    assert counters["stats"]["unique_graphs"] > graphs and sum(counters["graph_break"].values()) == breaks
+    assert (loss, correct) == pytest.approx(want[:2], rel=1e-6)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
