@@ -8,6 +8,9 @@
 * ``processes``: one process per replica (torchrun, N ranks x 1 drafter thread, each with its own target
   thread, ``--ranks-share-devices``: all on the one device, gradients all-reduced over gloo), no torchfix.
 
+On CUDA, also with CUDA graphs (``--compile-mode reduce-overhead``: each drafter layer's training call
+compiled and replayed as CUDA graphs): ``threads+cg`` for every N, and ``processes+cg`` for 3 replicas.
+
 Every configuration runs in fresh processes with fresh Inductor/Triton caches and the same global batch,
 seed and steps; tokens/s is the trainer's own figure (context tokens after the first, compiling, step).
 Also reported: time until every drafter thread finished its first step, peak memory, compiled graphs.
@@ -69,11 +72,27 @@ def _flags(device: str, replicas_per_process: int, steps: int, batch: int, seq_l
     return flags
 
 
-def one(mode: str, replicas: int, device: str, steps: int, batch: int, seq_len: int, quick: bool) -> dict:
-    out = Path(tempfile.mkdtemp(prefix=f"bench-{mode}{replicas}-"))
+# Row names of the --compile-mode runs; the default mode's rows keep the bare way's name.
+MODE_SUFFIX = {"default": "", "reduce-overhead": "+cg"}
+
+
+def one(
+    mode: str,
+    replicas: int,
+    device: str,
+    steps: int,
+    batch: int,
+    seq_len: int,
+    quick: bool,
+    compile_mode: str = "default",
+) -> dict:
+    label = mode + MODE_SUFFIX[compile_mode]
+    out = Path(tempfile.mkdtemp(prefix=f"bench-{label}{replicas}-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"), TRITON_CACHE_DIR=str(out / "triton"))
     flags = [*_flags(device, 1 if mode == "processes" else replicas, steps, batch, seq_len, quick), f"--out-dir={out}"]
+    if compile_mode != "default":
+        flags.append(f"--compile-mode={compile_mode}")
     if quick:
         flags.append(f"--cache-dir={out / 'cache'}")
     if mode == "threads":
@@ -88,7 +107,7 @@ def one(mode: str, replicas: int, device: str, steps: int, batch: int, seq_len: 
             *("-m", "dflash_train", *flags, "--ranks-share-devices"),
         ]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
-    row: dict[str, object] = {"mode": mode, "replicas": replicas}
+    row: dict[str, object] = {"mode": label, "replicas": replicas, "compile_mode": compile_mode}
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if proc.returncode == 0 else []
     summary = next((r for r in records if r["type"] == "summary"), None)
@@ -96,14 +115,29 @@ def one(mode: str, replicas: int, device: str, steps: int, batch: int, seq_len: 
         return row | {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1], "returncode": proc.returncode}
     memory = [r for r in records if r["type"] == "memory"]
     cuda_peak = sum(v for r in memory for k, v in r.items() if k.startswith("cuda"))
+    dynamo = [r for r in records if r["type"] == "dynamo"]
     return row | {
         "tokens_per_s": summary["tokens_per_s"],
         "all_first_steps_s": max(r["seconds"] for r in records if r["type"] == "first_step"),
         "cuda_peak_gib": round(cuda_peak, 3),
         "host_rss_gib": round(sum(r.get("host_rss", 0.0) for r in memory), 3),
-        "unique_graphs": sum(r["unique_graphs"] for r in records if r["type"] == "dynamo"),
-        "eager_fallback": any(r["eager_fallback"] for r in records if r["type"] == "dynamo"),
+        "unique_graphs": sum(r["unique_graphs"] for r in dynamo),
+        "eager_fallback": any(r["eager_fallback"] for r in dynamo),
+        # Graphs inductor compiled without the CUDA graphs asked for (the trainer logs why).
+        "cudagraph_skips": sum(r.get("cudagraph_skips", 0) for r in dynamo),
     }
+
+
+def configurations(device: str, counts: tuple[int, ...]) -> list[tuple[str, int, str]]:
+    """The rows to run, as (way, replicas, --compile-mode): threads for every count, lock and processes from
+    2 replicas; on CUDA, threads with CUDA graphs for every count and processes with them for 3."""
+    cuda = device.startswith("cuda")
+    runs = []
+    for n in counts:
+        runs += [("threads", n, "default")] + ([("threads", n, "reduce-overhead")] if cuda else [])
+        runs += [("lock", n, "default"), ("processes", n, "default")] if n > 1 else []
+        runs += [("processes", n, "reduce-overhead")] if cuda and n == 3 else []
+    return runs
 
 
 def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
@@ -115,10 +149,10 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
         counts, steps, batch, seq_len = (1, 2, 3), 120, 12, 256
     else:
         counts, steps, batch, seq_len = (1, 2, 3), 30, 6, 128
-    rows = []
-    for replicas in counts:
-        modes = ["threads"] + (["lock", "processes"] if replicas > 1 else [])
-        rows += [one(mode, replicas, device, steps, batch, seq_len, quick) for mode in modes]
+    rows = [
+        one(mode, replicas, device, steps, batch, seq_len, quick, compile_mode)
+        for mode, replicas, compile_mode in configurations(device, counts)
+    ]
     threads = {r["replicas"]: r.get("tokens_per_s") for r in rows if r["mode"] == "threads"}
     for row in rows:
         base = threads.get(row["replicas"])
@@ -139,15 +173,19 @@ def table(result: dict) -> str:
         f"torch {result['torch']}, {result['device']}, {result['steps']} steps, global batch "
         f"{result['global_batch']} x {result['seq_len']} tokens"
     ]
+    if any(row.get("compile_mode") == "reduce-overhead" for row in result["rows"]):
+        lines.append("+cg: --compile-mode reduce-overhead (the drafter layers' training calls as CUDA graphs)")
     for row in result["rows"]:
-        label = f"{row['mode']:<9} x{row['replicas']}"
+        label = f"{row['mode']:<12} x{row['replicas']}"
         if "error" in row:
             lines.append(f"{label}: failed (exit {row['returncode']}): {row['error']}")
             continue
+        skips = row.get("cudagraph_skips", 0)
         lines.append(
             f"{label}: {row['tokens_per_s'] or 0:>9,.0f} tokens/s (x{row.get('vs_threads', 1.0):.2f} threads), "
             f"all first steps {row['all_first_steps_s']:.1f} s, peak CUDA {row['cuda_peak_gib']:.2f} GiB, "
             f"host RSS {row['host_rss_gib']:.2f} GiB, {row['unique_graphs']} graphs"
             f"{', EAGER FALLBACK' if row['eager_fallback'] else ''}"
+            f"{f', CUDA GRAPHS SKIPPED {skips} TIMES' if skips else ''}"
         )
     return "\n".join(lines)

@@ -31,3 +31,28 @@ def test_benchmark_smoke(name, tmp_path):
         work = result["compiled_call_work"]
         assert work["calls_with_torchfix"] == work["calls_without_torchfix"], work
         assert 0 <= work["opcodes_with_torchfix"] - work["opcodes_without_torchfix"] <= 20, work
+
+
+def test_trainer_rows_with_cuda_graphs_on_cuda_only():
+    from bench import trainer
+
+    assert trainer.configurations("cpu", (1, 2)) == [
+        ("threads", 1, "default"),
+        ("threads", 2, "default"),
+        ("lock", 2, "default"),
+        ("processes", 2, "default"),
+    ]
+    cg = [(way, n) for way, n, mode in trainer.configurations("cuda:0", (1, 2, 3)) if mode == "reduce-overhead"]
+    assert cg == [("threads", 1), ("threads", 2), ("threads", 3), ("processes", 3)]
+    row = dict(replicas=3, tokens_per_s=1000.0, all_first_steps_s=1.0, cuda_peak_gib=0.1, host_rss_gib=1.0)
+    row |= dict(unique_graphs=3, eager_fallback=False, cudagraph_skips=0)
+    result = dict(torch="2.13.0", device="cuda:0", steps=4, global_batch=12, seq_len=256)
+    result["rows"] = [
+        row | dict(mode="threads", compile_mode="default"),
+        row | dict(mode="threads+cg", compile_mode="reduce-overhead", vs_threads=1.5),
+        row | dict(mode="processes+cg", compile_mode="reduce-overhead", vs_threads=2.0, cudagraph_skips=2),
+    ]
+    lines = trainer.table(result).splitlines()
+    assert lines[1].startswith("+cg: --compile-mode reduce-overhead")
+    assert lines[3].startswith("threads+cg   x3:") and "(x1.50 threads)" in lines[3]
+    assert lines[4].startswith("processes+cg x3:") and lines[4].endswith("CUDA GRAPHS SKIPPED 2 TIMES")
