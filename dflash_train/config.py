@@ -85,16 +85,16 @@ class TrainConfig:
     )
     backend: str = _opt(
         "inductor",
-        "torch.compile backend of the drafter layers on CPU ('inductor', 'aot_eager', 'eager'); on CUDA, flex "
-        "attention and its block mask are always compiled with inductor",
+        "torch.compile backend of the drafter layers on CPU ('inductor', 'aot_eager', 'eager'); on CUDA, what is "
+        "compiled (see --compile-mode) is always compiled with inductor",
         metavar="NAME",
     )
     compile_mode: str = _opt(
         "default",
         "torch.compile mode on CUDA drafters: 'default' (the layers eager, flex attention and its block mask "
-        "compiled), 'reduce-overhead' (each drafter layer's training step compiled, flex attention and gradient "
+        "compiled), 'reduce-overhead' (each drafter layer's training call compiled, flex attention and gradient "
         "checkpointing inside, and replayed as CUDA graphs), 'max-autotune-no-cudagraphs' (the same, autotuned, "
-        "without CUDA graphs)",
+        "without CUDA graphs); only 'default' on CPU drafters",
         metavar="MODE",
     )
     eval_prompts: int = _opt(8, "held-out prompts for the acceptance length tau (0: skip evaluation)")
