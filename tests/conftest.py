@@ -29,6 +29,10 @@ HAS_H4 = TORCH_VERSION.release < (2, 16)
 HAS_H5_SWITCH = TORCH_VERSION.release >= (2, 9)
 # Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
+# CUDA graph trees (2.1+): the tree containers exist only in the importing thread before 2.13; the
+# mark-step counter and the generation are process globals in every release so far (H7).
+HAS_H7_TREES = (2, 1) <= TORCH_VERSION.release < (2, 13)
+HAS_H7_COUNTERS = (2, 1) <= TORCH_VERSION.release < (2, 16)
 # Threads missing Dynamo's cache together each compile the frame again (2.6+ here); the fix needs 2.6+.
 HAS_RECHECK_FIX = TORCH_VERSION.release >= (2, 6)
 # Seen in the matrix: these releases segfault when a thread recompiles a frame that other threads wait to

@@ -12,6 +12,8 @@ from conftest import (
     HAS_H3,
     HAS_H4,
     HAS_H6,
+    HAS_H7_COUNTERS,
+    HAS_H7_TREES,
     HAS_RECHECK_FIX,
     TORCH_CRASHES_ON_CONCURRENT_RECOMPILE,
     run_ok,
@@ -75,6 +77,21 @@ def test_h4_many_threads_tracing_at_once(disabled):
     assert result["hazard"] == (disabled and HAS_H4), result
     if not disabled:
         assert result["detail"] == "all 20 traces correct", result
+
+
+def test_h7_cudagraph_trees_in_a_new_thread(disabled):
+    result = scenario("_selftest.h7_cudagraph_trees_in_new_thread()", disabled, fix="cudagraph-thread-trees")
+    if result is None:
+        pytest.skip("this torch has no CUDA graph trees (2.1+)")
+    assert result["hazard"] == (disabled and HAS_H7_TREES), result
+
+
+def test_h7_cudagraph_step_counters_stay_in_their_thread(disabled):
+    result = scenario("_selftest.h7_cudagraph_step_counters()", disabled, fix="cudagraph-step-counters")
+    if result is None:
+        pytest.skip("this torch has no CUDA graph trees (2.1+)")
+    assert result["hazard"] == (disabled and HAS_H7_COUNTERS), result
+    assert result["detail"].endswith("the acting thread's: (-1, True)"), result  # its own mark-step counts
 
 
 needs_recheck_fix = pytest.mark.skipif(

@@ -465,6 +465,74 @@ def duplicate_compiles(
     return Result(f"cold start ({threads} threads, one function)", len(compiled_by) > needed, detail)
 
 
+def _in_thread(fn: Callable[[], object], timeout: float) -> object:
+    """``fn()`` run in a new thread: its result, or the exception it raised."""
+    box: list[object] = []
+
+    def target() -> None:
+        try:
+            box.append(fn())
+        except Exception as exc:
+            box.append(exc)
+
+    thread = threading.Thread(target=target, name="torchfix-selftest")
+    thread.start()
+    thread.join(timeout)
+    return box[0] if box else TimeoutError(f"no answer in {timeout} s")
+
+
+def h7_cudagraph_trees_in_new_thread(timeout: float = 60.0) -> Result | None:
+    """A thread other than the importing one asks for its CUDA graph tree container (what its first
+    ``mode="reduce-overhead"`` graph does): torch 2.1 - 2.12 fail in ``get_obj``. Needs no GPU."""
+    try:
+        from torch._inductor import cudagraph_trees
+    except ImportError:
+        return None  # torch 2.0: no CUDA graph trees
+    main = cudagraph_trees.get_container(0)
+    other = _in_thread(lambda: cudagraph_trees.get_container(0), timeout)
+    if isinstance(other, BaseException):
+        return Result("H7 (CUDA graph trees in a new thread)", True, f"raised {type(other).__name__}: {other}")
+    shared = other is main
+    return Result("H7 (CUDA graph trees in a new thread)", shared, "shares the main thread's" if shared else "ok")
+
+
+def h7_cudagraph_step_counters(timeout: float = 60.0) -> Result | None:
+    """One thread calls ``torch.compiler.cudagraph_mark_step_begin()`` and a compiled function; the
+    generation another thread's CUDA graph trees read must not move (every release up to 2.15). No GPU."""
+    import torch
+
+    try:
+        from torch._inductor import cudagraph_trees
+    except ImportError:
+        return None
+    compiled = _compiled_add_one()
+    manager = cudagraph_trees.CUDAGraphTreeManager
+    first_read, acted, seen = threading.Event(), threading.Event(), []
+
+    def read() -> tuple[int, bool]:
+        return manager.get_curr_generation(), manager.user_invoked_mark_step()
+
+    def other() -> None:  # a thread with counters of its own (it ran a compiled call), read twice
+        compiled(torch.ones(2))
+        seen.append(read())
+        first_read.set()
+        acted.wait(timeout)
+        seen.append(read())
+
+    thread = threading.Thread(target=other, name="torchfix-selftest")
+    thread.start()
+    first_read.wait(timeout)
+    torch.compiler.cudagraph_mark_step_begin()
+    compiled(torch.ones(2))
+    mine = read()
+    acted.set()
+    thread.join(timeout)
+    before, after = (seen + [None, None])[:2]
+    moved = before != after
+    detail = f"another thread's (generation, mark-step) went {before} -> {after}; the acting thread's: {mine}"
+    return Result("H7 (mark-step and compiled call in one thread, CUDA graph generation in another)", moved, detail)
+
+
 def run_all(timeout: float = 60.0) -> list[Result]:
     """Every scenario this torch has. Without the fixes, H2 and H4 can leave the process broken (a stuck
     flag, ``nn.Module`` left patched): they run last, and a scenario that raises because an earlier one
@@ -481,6 +549,8 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("H1 make_fx", lambda: h1_nested_trace_error("make_fx", timeout)),
         ("H3", lambda: h3_is_compiling_elsewhere(timeout)),
         ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
+        ("H7 trees", lambda: h7_cudagraph_trees_in_new_thread(timeout)),
+        ("H7 step counters", lambda: h7_cudagraph_step_counters(timeout)),
         *cold_start,
         ("H2", lambda: h2_stuck_flag(timeout)),
         ("H4 cond", lambda: h4_trace_patches_leak("cond", timeout)),
