@@ -46,8 +46,9 @@ def source_without_import(name: str) -> str | None:
 class SourcePatch:
     """Edits of one torch module's functions, swapped in by ``__code__``.
 
-    Subclasses say which edits (:meth:`edits`, a pure function of the file's text) and may set up module
-    state the edited code needs (:meth:`_install_state` / :meth:`_remove_state`).
+    Subclasses say which edits (:meth:`edits`, a pure function of the file's text), which objects the edited
+    code refers to by name (:meth:`helpers`, put into the module while the patch is applied), and may set up
+    other module state (:meth:`_install_state` / :meth:`_remove_state`).
     """
 
     may_be_absent = False  # whether some releases lack the file (then the patch has nothing to do there)
@@ -57,9 +58,14 @@ class SourcePatch:
         self.relpath = relpath  # the file inside a torch source tree, e.g. "torch/fx/_symbolic_trace.py"
         self._module: types.ModuleType | None = None
         self._file: PatchedFile | None = None
+        self._helpers: list[str] = []
 
     def edits(self, source: str) -> list[Edit]:
         raise NotImplementedError
+
+    def helpers(self) -> dict[str, object]:
+        """Fresh objects the edited code refers to by name: in the module from apply() to revert()."""
+        return {}
 
     def describe(self) -> str:
         """One line for the diff header: what the patch does beyond the text edits."""
@@ -70,9 +76,14 @@ class SourcePatch:
         source = read_source(module)
         patched_file = PatchedFile.of(module, source)
         swap_in = patched_file.add(self, self.edits(source))  # checks everything, changes nothing
+        helpers = self.helpers()
+        taken = sorted(name for name in helpers if name in vars(module))
+        if taken:
+            raise ShapeError(f"{self.module_name} has {', '.join(taken)} already")
         self._install_state(module, source)
+        vars(module).update(helpers)
         swap_in()
-        self._module, self._file = module, patched_file
+        self._module, self._file, self._helpers = module, patched_file, list(helpers)
 
     @property
     def patched(self) -> bool:
@@ -82,6 +93,8 @@ class SourcePatch:
         if self._file is None:
             return
         self._file.remove(self)
+        for name in self._helpers:
+            vars(self._module).pop(name, None)
         self._remove_state(self._module)
         self._module = self._file = None
 

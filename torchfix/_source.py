@@ -51,6 +51,18 @@ def parse(source: str) -> ast.Module:
 
 
 @functools.lru_cache(maxsize=4)
+def definitions(source: str) -> dict[str, ast.FunctionDef]:
+    """The file's module-level functions and class methods by qualified name (``f``, ``Class.f``)."""
+    found = {}
+    for node in parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            found[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            found.update({f"{node.name}.{f.name}": f for f in node.body if isinstance(f, ast.FunctionDef)})
+    return found
+
+
+@functools.lru_cache(maxsize=4)
 def _encoded_lines(source: str) -> list[bytes]:
     return [line.encode() for line in source.splitlines(keepends=True)]
 

@@ -40,7 +40,7 @@ from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
 from .._patch import SourcePatch
-from .._source import Edit, ShapeError, parse, replace_node, segment
+from .._source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch._dynamo.convert_frame"
 HELPER = "_compile_unless_cached"
@@ -146,13 +146,7 @@ class _RecheckPatch(SourcePatch):
         return super().describe() + f"; adds {HELPER}, which re-checks the cache before compiling"
 
     def edits(self, source: str) -> list[Edit]:
-        tree = parse(source)
-        wrapper = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CatchErrorsWrapper"), None)
-        call = (
-            next((f for f in wrapper.body if isinstance(f, ast.FunctionDef) and f.name == "__call__"), None)
-            if wrapper
-            else None
-        )
+        call = definitions(source).get("CatchErrorsWrapper.__call__")
         if call is None:
             raise ShapeError(f"{self.relpath}: no CatchErrorsWrapper.__call__")
         compiles = [
@@ -172,13 +166,8 @@ class _RecheckPatch(SourcePatch):
         attr = compiles[0].attr
         return [replace_node(compiles[0], f"{HELPER}(self, {attr!r})")]
 
-    def _install_state(self, module: types.ModuleType, source: str) -> None:
-        if HELPER in vars(module):
-            raise ShapeError(f"{MODULE} has a {HELPER} already")
-        vars(module)[HELPER] = CacheRecheck()
-
-    def _remove_state(self, module: types.ModuleType) -> None:
-        vars(module).pop(HELPER, None)
+    def helpers(self) -> dict[str, object]:
+        return {HELPER: CacheRecheck()}
 
 
 def _probe() -> str | None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import ast
 import importlib
 import threading
-import types
 
 from packaging.specifiers import SpecifierSet
 
@@ -102,13 +101,8 @@ class _TreeCounters(SourcePatch):
             replace_node(generations[0], f"{ACCESSOR}().generation")
         ]
 
-    def _install_state(self, module: types.ModuleType, source: str) -> None:
-        if ACCESSOR in vars(module):
-            raise ShapeError(f"{TREES} has a {ACCESSOR} already")
-        vars(module)[ACCESSOR] = steps_of_this_work
-
-    def _remove_state(self, module: types.ModuleType) -> None:
-        vars(module).pop(ACCESSOR, None)
+    def helpers(self) -> dict[str, object]:
+        return {ACCESSOR: steps_of_this_work}
 
 
 class _CountPerThread(SourcePatch):
@@ -131,15 +125,8 @@ class _CountPerThread(SourcePatch):
         bump = bumps[0]
         return [replace_node(bump, f"{segment(source, bump)}; {self.holder}.steps.generation += 1")]
 
-    def _install_state(self, module: types.ModuleType, source: str) -> None:
-        if self.module_name == GUARD:
-            if THIS_THREAD in vars(module):
-                raise ShapeError(f"{GUARD} has a {THIS_THREAD} already")
-            vars(module)[THIS_THREAD] = ThreadSteps()
-
-    def _remove_state(self, module: types.ModuleType) -> None:
-        if self.module_name == GUARD:
-            vars(module).pop(THIS_THREAD, None)
+    def helpers(self) -> dict[str, object]:
+        return {THIS_THREAD: ThreadSteps()} if self.module_name == GUARD else {}
 
 
 def _probe() -> str | None:

@@ -26,14 +26,13 @@ from __future__ import annotations
 import ast
 import importlib
 import threading
-import types
 from collections import defaultdict
 
 from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
 from .._patch import SourcePatch
-from .._source import Edit, ShapeError, parse, replace_node, segment
+from .._source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch._inductor.cudagraph_trees"
 LOCK = "graph_capture_lock"
@@ -51,13 +50,6 @@ def _initialize_tls(local: threading.local) -> None:
     torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
-def _methods(tree: ast.Module, cls: str) -> dict[str, ast.FunctionDef]:
-    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
-    if node is None:
-        raise ShapeError(f"no class {cls}")
-    return {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
-
-
 class _TreesPerThread(SourcePatch):
     def __init__(self) -> None:
         super().__init__(MODULE, "torch/_inductor/cudagraph_trees.py")
@@ -66,17 +58,20 @@ class _TreesPerThread(SourcePatch):
         return super().describe() + f"; adds {INIT} and {LOCK} (torch 2.13's)"
 
     def edits(self, source: str) -> list[Edit]:
-        tree = parse(source)
-        get_obj = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_obj"), None)
+        functions = definitions(source)
+        get_obj = functions.get("get_obj")
         asserts = [n for n in ast.walk(get_obj) if isinstance(n, ast.Assert)] if get_obj else []
         if len(asserts) != 1 or segment(source, asserts[0].test) != "torch._C._is_key_in_tls(attr_name)":
             raise ShapeError(f"{self.relpath}: get_obj is not the shape of torch 2.1 - 2.12")
         edits = [replace_node(asserts[0], f"if not torch._C._is_key_in_tls(attr_name): {INIT}(local)")]
 
-        manager = _methods(tree, "CUDAGraphTreeManager")
+        prefix = "CUDAGraphTreeManager."
+        manager = {name: f for name, f in functions.items() if name.startswith(prefix)}
+        if prefix + "__init__" not in manager:
+            raise ShapeError(f"{self.relpath}: no CUDAGraphTreeManager.__init__")
         starts = [
             node
-            for node in ast.walk(manager["__init__"])
+            for node in ast.walk(manager[prefix + "__init__"])
             if isinstance(node, ast.With)
             and [segment(source, item.context_expr) for item in node.items] == ["torch.cuda.device(device_index)"]
         ]
@@ -99,14 +94,8 @@ class _TreesPerThread(SourcePatch):
             edits.append(replace_node(calls[0], f"with {LOCK}: {segment(source, calls[0])}"))
         return edits
 
-    def _install_state(self, module: types.ModuleType, source: str) -> None:
-        if LOCK in vars(module) or INIT in vars(module):
-            raise ShapeError(f"{MODULE} has a {LOCK} or {INIT} already")
-        vars(module).update({LOCK: threading.Lock(), INIT: _initialize_tls})
-
-    def _remove_state(self, module: types.ModuleType) -> None:
-        for name in (LOCK, INIT):
-            vars(module).pop(name, None)
+    def helpers(self) -> dict[str, object]:
+        return {LOCK: threading.Lock(), INIT: _initialize_tls}
 
 
 def _probe() -> str | None:

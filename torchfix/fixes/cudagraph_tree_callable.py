@@ -31,7 +31,6 @@ import ast
 import importlib
 import importlib.util
 import threading
-import types
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -39,7 +38,7 @@ from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
 from .._patch import SourcePatch
-from .._source import Edit, ShapeError, parse, replace_node, segment
+from .._source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch._inductor.compile_fx"
 HELPER = "_cudagraphify_per_tree"
@@ -91,9 +90,7 @@ class _CallablePerTree(SourcePatch):
         return super().describe() + f"; adds {HELPER}, which makes a graph's CUDA-graph callable once per tree"
 
     def edits(self, source: str) -> list[Edit]:
-        cudagraphify = next(
-            (n for n in parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "cudagraphify"), None
-        )
+        cudagraphify = definitions(source).get("cudagraphify")
         if cudagraphify is None:
             raise ShapeError(f"{self.relpath}: no cudagraphify")
         partials = [
@@ -108,13 +105,8 @@ class _CallablePerTree(SourcePatch):
             raise ShapeError(f"{self.relpath}: expected one functools.partial(new_cudagraphify_impl, ...)")
         return [replace_node(partials[0], f"{HELPER}(), new_cudagraphify_impl")]
 
-    def _install_state(self, module: types.ModuleType, source: str) -> None:
-        if HELPER in vars(module):
-            raise ShapeError(f"{MODULE} has a {HELPER} already")
-        vars(module)[HELPER] = PerTree
-
-    def _remove_state(self, module: types.ModuleType) -> None:
-        vars(module).pop(HELPER, None)
+    def helpers(self) -> dict[str, object]:
+        return {HELPER: PerTree}
 
 
 def _probe() -> str | None:

@@ -25,7 +25,7 @@ from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
 from .._patch import AttributeUses, SourcePatch, ThreadLocalGlobals, nested_function
-from .._source import Edit, ShapeError, insert_at, parse
+from .._source import Edit, ShapeError, definitions, insert_at, parse
 
 MODULE = "torch.fx._symbolic_trace"
 FLAG = "_is_fx_tracing_flag"
@@ -103,9 +103,8 @@ class _CheckpointRecompute(SourcePatch):
 
     def edits(self, source: str) -> list[Edit]:
         tree = parse(source)
-        top_level = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
         for outer, closure_name, user_fn in self.SHAPES:
-            if outer in top_level:
+            if outer in definitions(source):
                 closure = nested_function(tree, [outer, closure_name])
                 return [self._capture(closure), self._reapply(closure, user_fn)]
         raise ShapeError(f"{self.relpath}: no non-reentrant checkpoint recompute function found")

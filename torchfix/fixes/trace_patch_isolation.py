@@ -40,7 +40,7 @@ from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
 from .._patch import ThreadLocalGlobals
-from .._source import Edit, ShapeError, parse, replace_node, segment
+from .._source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch.fx._symbolic_trace"
 HELPER = "_thread_patches"
@@ -165,17 +165,6 @@ def _slot_write(source: str, stmt: ast.stmt) -> tuple[str, str, str | None] | No
     return None
 
 
-def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
-    """Module-level functions and class methods by qualified name."""
-    found = {}
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef):
-            found[node.name] = node
-        elif isinstance(node, ast.ClassDef):
-            found.update({f"{node.name}.{f.name}": f for f in node.body if isinstance(f, ast.FunctionDef)})
-    return found
-
-
 class _IsolationPatch(ThreadLocalGlobals):
     PATCH_KINDS = ("_PatchedFnSetItem", "_PatchedFnDel", "_PatchedFnSetAttr")
 
@@ -192,7 +181,7 @@ class _IsolationPatch(ThreadLocalGlobals):
         return super().describe() + f"; adds {HELPER}, which keeps the tracer's patches per thread"
 
     def edits(self, source: str) -> list[Edit]:
-        functions = _functions(parse(source))
+        functions = definitions(source)
         missing = {"_Patcher.patch", "_Patcher.patch_method", "_autowrap_check"} - functions.keys()
         if missing:
             raise ShapeError(f"{self.relpath}: no {', '.join(sorted(missing))}")
@@ -249,17 +238,13 @@ class _IsolationPatch(ThreadLocalGlobals):
             raise ShapeError("_autowrap_check: expected one frame_dict.items()")
         return edits + [replace_node(items[0], f"{HELPER}.items(frame_dict)")]
 
+    def helpers(self) -> dict[str, object]:
+        return {HELPER: ThreadPatches()}
+
     def _install_state(self, module: types.ModuleType, source: str) -> None:
-        if HELPER in vars(module):
-            raise ShapeError(f"{MODULE} has a {HELPER} already")
         super()._install_state(module, source)
-        vars(module)[HELPER] = ThreadPatches()
         # When Dynamo is imported (now, if it is already); skipping a code object is harmless after uninstall.
         wrapt.register_post_import_hook(_skip_in_dynamo, "torch._dynamo.eval_frame")
-
-    def _remove_state(self, module: types.ModuleType) -> None:
-        vars(module).pop(HELPER, None)
-        super()._remove_state(module)
 
 
 def _probe() -> str | None:
