@@ -88,3 +88,52 @@ def build_mask(
     if flex:
         return compiled_create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=anchors.device)
     return dense_mask(mask_mod, batch, q_len, kv_len, anchors.device)
+
+
+# The BlockMask tensors: the kv ones drive the forward kernel, the q ones (the transposed mask) only
+# the backward one.
+_BLOCK_MASK_TENSORS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
+class PinnedMask:
+    """The anchor block mask rebuilt every step into the same tensors, for layers that replay CUDA graphs.
+
+    A CUDA graph tree takes every tensor a compiled backward was saved as a fixed address. The q half of
+    a BlockMask is used by flex attention's backward only, so it reaches the backward graph as the
+    caller's own tensor, not a copy made by the forward graph: a fresh mask per step made the tree
+    re-record the backward at every step (measured on an H200, torch 2.11: 2 recordings per step, its
+    tree growing until ``cudagraph_unexpected_rerecord_limit``). Here the anchors, the ``keep`` flags and
+    the mask's tensors are allocated once per shape and overwritten in place.
+    """
+
+    def __init__(self) -> None:
+        self._shape: tuple | None = None  # what the pinned tensors were made for
+        self._anchors = self._keep = torch.empty(0)
+        self._mask: BlockMask | None = None
+
+    def build(self, anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> BlockMask:
+        """The mask for this step, in the tensors of the last step's when the shapes are the same."""
+        shape = (tuple(anchors.shape), anchors.device, ctx_len, block_size)
+        if shape != self._shape or self._mask is None:
+            self._anchors, self._keep = anchors.clone(), keep.clone()
+            self._mask = build_mask(self._anchors, self._keep, ctx_len, block_size, flex=True)
+            self._shape = shape
+            return self._mask
+        self._anchors.copy_(anchors)
+        self._keep.copy_(keep)
+        # Evaluated over the pinned anchors, so the pinned mask's mask_mod (which reads them) agrees.
+        fresh = build_mask(self._anchors, self._keep, ctx_len, block_size, flex=True)
+        for name in _BLOCK_MASK_TENSORS:
+            mine = getattr(self._mask, name)
+            if mine is not None:
+                mine.copy_(getattr(fresh, name))
+        return self._mask

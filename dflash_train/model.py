@@ -22,7 +22,7 @@ from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .loss import chunked_loss
-from .masks import build_mask
+from .masks import PinnedMask, build_mask
 
 if TYPE_CHECKING:
     from .batch import StepBatch
@@ -121,6 +121,8 @@ class Drafter(nn.Module):
         self.frozen = (embed, lm_head)
         # What training calls per layer, gradient checkpointing included: see compile_layers.
         self.train_layer_fns: list[Callable[..., torch.Tensor]] = [checkpointed(layer) for layer in self.layers]
+        # Set when the layers replay CUDA graphs, which need the mask at the same addresses every step.
+        self.pinned_mask: PinnedMask | None = None
         self._init_weights(cfg.initializer_range)
 
     def _init_weights(self, std: float) -> None:
@@ -136,13 +138,16 @@ class Drafter(nn.Module):
         checkpoint, as the eager one does. A ``mode`` (``--compile-mode``, the CUDA path: flex attention in
         the graph) puts the checkpoint inside the compiled function instead. Outside, the backward would
         recompute the compiled forward (replay its CUDA graph) on autograd's device thread, which CUDA graph
-        trees handle badly; traced by Dynamo, the recompute is part of the compiled backward."""
+        trees handle badly; traced by Dynamo, the recompute is part of the compiled backward. With
+        ``reduce-overhead`` the block mask is rebuilt in place each step (``PinnedMask``)."""
         if mode is None:
             self.train_layer_fns = [checkpointed(torch.compile(layer, backend=backend)) for layer in self.layers]
         else:
             self.train_layer_fns = [
                 torch.compile(checkpointed(layer), backend=backend, mode=mode) for layer in self.layers
             ]
+            if mode == "reduce-overhead":
+                self.pinned_mask = PinnedMask()
 
     @property
     def embed(self) -> nn.Module:
@@ -192,7 +197,10 @@ class Drafter(nn.Module):
         """This replica's share of the step loss (weighted CE sum / ``batch.loss_norm``) and its count
         of correct top-1 predictions, under the anchor block mask (flex ``BlockMask`` or dense)."""
         ctx_len = batch.input_ids.shape[1]
-        mask = build_mask(batch.anchors, batch.keep, ctx_len, self.block_size, flex=flex)
+        if flex and self.pinned_mask is not None:
+            mask = self.pinned_mask.build(batch.anchors, batch.keep, ctx_len, self.block_size)
+        else:
+            mask = build_mask(batch.anchors, batch.keep, ctx_len, self.block_size, flex=flex)
         anchor_tokens = torch.gather(batch.input_ids, 1, batch.anchors)
         block_ids, position_ids = self.block_inputs(anchor_tokens, batch.anchors, batch.keep, ctx_len)
         with autocast(batch.input_ids.device):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dflash_train.data import ByteTokenizer
 from dflash_train.evaluate import speculative_generate
 from dflash_train.loss import block_targets, chunked_loss, position_weights
-from dflash_train.masks import anchor_block_mask_mod, dense_mask, sample_anchors
+from dflash_train.masks import PinnedMask, anchor_block_mask_mod, build_mask, dense_mask, sample_anchors
 from dflash_train.model import drafter_config, make_replicas
 from dflash_train.target import TINY_QWEN3, Target, tap_layer_ids
 
@@ -78,6 +78,34 @@ def test_flex_block_mask_equals_dense_mask(layout):
     )
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
     assert flex[1, :, 2 * block_size :].abs().max() == 0
+
+
+def test_pinned_mask_rebuilds_into_the_same_tensors(monkeypatch):
+    """Layers that replay CUDA graphs get each step's mask in the first step's tensors (a CUDA graph
+    tree re-records a backward whose saved mask moved), with the values of a freshly built mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash_train import masks
+
+    # Eager: Inductor's CPU code for create_block_mask does not compile in every release.
+    monkeypatch.setattr(masks, "compiled_create_block_mask", create_block_mask)
+    generator = torch.Generator().manual_seed(0)
+    pinned, ctx_len, block_size = PinnedMask(), 40, 4
+    first = pinned.build(*sample_anchors(2, ctx_len, 3, generator), ctx_len, block_size)
+    tensors = {name: getattr(first, name) for name in masks._BLOCK_MASK_TENSORS}
+    anchors, keep = sample_anchors(2, ctx_len, 3, generator)
+    keep[0, -1] = False
+    second = pinned.build(anchors, keep, ctx_len, block_size)
+    assert second is first and all(getattr(second, name) is t for name, t in tensors.items())
+    fresh = build_mask(anchors, keep, ctx_len, block_size, flex=True)
+    for name, tensor in tensors.items():
+        assert (tensor is None) == (getattr(fresh, name) is None) and (
+            tensor is None or tensor.equal(getattr(fresh, name))
+        )
+    assert second.to_dense().equal(fresh.to_dense())
+    # Another shape: new tensors.
+    third = pinned.build(*sample_anchors(2, ctx_len, 5, generator), ctx_len, block_size)
+    assert third.shape != first.shape and third.kv_indices is not first.kv_indices
 
 
 def test_anchor_sampling():
@@ -232,6 +260,8 @@ def test_compile_mode_compiles_each_layers_training_call_with_the_checkpoint_ins
     assert [kwargs for _, kwargs in compile_calls] == [{"backend": "inductor", "mode": mode}] * 2
     assert [fn.checkpointed for fn, _ in compile_calls] == list(replica.layers)
     assert [fn._torchdynamo_orig_callable for fn in replica.train_layer_fns] == [fn for fn, _ in compile_calls]
+    # CUDA graphs take the mask at fixed addresses: the replica rebuilds it in place.
+    assert (replica.pinned_mask is not None) == (mode == "reduce-overhead")
 
 
 def _step(drafter, batch, flex):
