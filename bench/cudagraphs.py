@@ -2,9 +2,8 @@
 
 Each run is a fresh interpreter with fresh Inductor/Triton cache folders: 3 threads train their own
 attention block compiled with ``mode="reduce-overhead"``, every step checked against an eager twin. The
-configurations turn the cudagraph fixes off one at a time (TORCHFIX_DISABLE; the two experimental ones
-are turned on with TORCHFIX_ENABLE first), with and without ``cudagraph_mark_step_begin()`` each step, so
-each row says which failure a part of the fix removes.
+configurations turn the cudagraph fixes off one at a time (TORCHFIX_DISABLE), with and without
+``cudagraph_mark_step_begin()`` each step, so each row says which failure a part of the fix removes.
 CUDA only; ``--quick`` runs one configuration once, a smoke test.
 """
 
@@ -17,7 +16,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-EXPERIMENTAL = "cudagraph-tree-callable,cudagraph-step-counters"  # off unless TORCHFIX_ENABLE names them
 SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "cuda_graph_threads.py"
 # (label, TORCHFIX_DISABLE, mark-step each step)
 CONFIGS = [
@@ -35,7 +33,6 @@ def one(disable: str, mark_step: bool, steps: int, timeout: float) -> dict:
     caches = tempfile.mkdtemp(prefix="bench-cudagraphs-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
     env.update(TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
-    env["TORCHFIX_ENABLE"] = EXPERIMENTAL
     if disable:
         env["TORCHFIX_DISABLE"] = disable
     command = [sys.executable, str(SCRIPT), "--steps", str(steps), "--timeout", str(timeout)]

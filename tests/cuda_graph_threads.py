@@ -8,8 +8,7 @@ compares the two outputs and weights after every step: a thread whose CUDA graph
 overwritten by another thread's sees them differ, or torch raises ("accessing tensor output of CUDAGraphs
 that has been overwritten by a subsequent run", capture errors). ``--mark-step`` calls
 ``torch.compiler.cudagraph_mark_step_begin()`` before each step, as training loops with CUDA graphs do.
-TORCHFIX_ENABLE=cudagraph-tree-callable,cudagraph-step-counters turns on the experimental fixes (off by
-default); TORCHFIX_DISABLE turns fixes off (the cudagraph-* ones one at a time to see what each removes). Prints one
+TORCHFIX_DISABLE turns fixes off (the cudagraph-* ones one at a time to see what each removes). Prints one
 JSON line: steps each thread finished, the first error of each, the largest differences from eager, hung
 threads; exit code 0 when every thread finished every step equal to eager.
 """
@@ -119,7 +118,6 @@ def main() -> int:
     report = {
         "torch": torch.__version__,
         "disabled": os.environ.get("TORCHFIX_DISABLE", ""),
-        "enabled": os.environ.get("TORCHFIX_ENABLE", ""),
         "mark_step": args.mark_step,
         "steps_done": done,
         "errors": errors,

@@ -53,7 +53,7 @@ for fix in fixes.ALL:  # the fixes that wait for a part of torch (Dynamo, Induct
 applied = {s.name for s in torchfix.status() if s.state.value == "applied"}
 diffs = {fix.name: fix.diff(torch.__version__, _installed_reader) for fix in fixes.ALL if fix.name in applied}
 print(json.dumps(diffs))
-""", env={"TORCHFIX_ENABLE": "1"}).json()  # the experimental fixes too
+""").json()
     committed = {p.stem: p.read_text() for p in PATCHES.glob("*.diff")}
     assert ran == committed, "patches/ drifted from what torchfix applies: regenerate it (see README)"
 

@@ -30,11 +30,9 @@ os._exit(0)  # torch 2.3's interpreter teardown after a threaded compile can abo
 """
 
 
-def scenario(call: str, disabled: bool, fix: str = "1", experimental: bool = False) -> dict:
-    """Run a self-test scenario; ``disabled`` turns off ``fix`` (all fixes by default). An ``experimental``
-    fix is off by default: the run with the fix turns it on."""
-    env = {"TORCHFIX_ENABLE": fix} if experimental and not disabled else None
-    return run_ok(SCENARIO.format(call=call), disable=fix if disabled else None, env=env).json()
+def scenario(call: str, disabled: bool, fix: str = "1") -> dict:
+    """Run a self-test scenario; ``disabled`` turns off ``fix`` (all fixes by default)."""
+    return run_ok(SCENARIO.format(call=call), disable=fix if disabled else None).json()
 
 
 @pytest.mark.parametrize("tracer", ["symbolic_trace", "make_fx"])
@@ -89,9 +87,7 @@ def test_h7_cudagraph_trees_in_a_new_thread(disabled):
 
 
 def test_h7_cudagraph_step_counters_stay_in_their_thread(disabled):
-    result = scenario(
-        "_selftest.h7_cudagraph_step_counters()", disabled, fix="cudagraph-step-counters", experimental=True
-    )
+    result = scenario("_selftest.h7_cudagraph_step_counters()", disabled, fix="cudagraph-step-counters")
     if result is None:
         pytest.skip("this torch has no CUDA graph trees (2.1+)")
     assert result["hazard"] == (disabled and HAS_H7_COUNTERS), result

@@ -197,23 +197,3 @@ print(json.dumps({"patched": patched, "restored": cf.CatchErrorsWrapper.__call__
                   "helper": "_compile_unless_cached" in vars(cf)}))
 """).json()
     assert ran == {"patched": True, "restored": True, "helper": False}
-
-
-@pytest.mark.parametrize("enable", ["", "cudagraph-step-counters", "1"], ids=["default", "named", "all"])
-def test_experimental_fixes_are_off_unless_enabled(enable):
-    ran = run_ok(
-        """
-import json
-import torch, torchfix
-import torch._inductor.compile_fx, torch._inductor.cudagraph_trees
-states = {s.name: (s.state.value, s.reason) for s in torchfix.status()}
-print(json.dumps({name: states[name] for name in ("cudagraph-tree-callable", "cudagraph-step-counters")}))
-""",
-        env={"TORCHFIX_ENABLE": enable},
-    ).json()
-    on = {"": set(), "1": {"cudagraph-tree-callable", "cudagraph-step-counters"}}.get(enable, {enable})
-    for name, (state, reason) in ran.items():
-        if name in on:
-            assert state in ("applied", "not needed"), (name, state, reason)
-        else:
-            assert state == "disabled" and reason.startswith("experimental, off unless TORCHFIX_ENABLE"), reason

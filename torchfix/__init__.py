@@ -2,8 +2,7 @@
 
 ``import torchfix`` (before or after torch) is the whole interface: it applies every fix this torch
 needs, now or when torch is imported. ``status()`` says what was done and why; ``uninstall()`` undoes
-it. ``TORCHFIX_DISABLE=1`` (or ``=fix-name,...``) turns fixes off, ``TORCHFIX_ENABLE=fix-name,...`` turns
-on the experimental ones (off by default: ``status()`` says why); ``TORCHFIX_STRICT=1`` raises
+it. ``TORCHFIX_DISABLE=1`` (or ``=fix-name,...``) turns fixes off; ``TORCHFIX_STRICT=1`` raises
 instead of warning when a needed fix cannot be applied. ``python -m torchfix`` prints a report.
 
 ``propagate_config()`` (torch 2.12+, where Dynamo/Inductor config is per thread) makes the settings

@@ -36,7 +36,7 @@ def doctor(selftest: bool) -> int:
 
     print(f"torchfix {torchfix.__version__}")
     print(f"python {platform.python_version()}, torch {torch.__version__} ({os.path.dirname(torch.__file__)})")
-    for variable in ("TORCHFIX_DISABLE", "TORCHFIX_ENABLE", "TORCHFIX_STRICT"):
+    for variable in ("TORCHFIX_DISABLE", "TORCHFIX_STRICT"):
         print(f"{variable}={os.environ.get(variable, '')!r}")
     print("\nfixes:")
     problems = 0

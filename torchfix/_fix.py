@@ -33,7 +33,7 @@ class State(str, enum.Enum):
     APPLIED = "applied"
     NOT_NEEDED = "not needed"  # the hazard is absent from this torch (fixed upstream, or not yet there)
     UNSUPPORTED = "unsupported"  # the hazard is there but this torch's version or source is not one we know
-    DISABLED = "disabled"  # TORCHFIX_DISABLE, or an experimental fix TORCHFIX_ENABLE does not name
+    DISABLED = "disabled"  # TORCHFIX_DISABLE
     PENDING = "pending import"  # torch is not imported yet; applied when it is
     NOT_INSTALLED = "not installed"  # before install() or after uninstall()
 
@@ -68,9 +68,6 @@ class Fix:
     # A hazard that costs time but breaks nothing: where the fix cannot apply, status() says so, without a
     # warning (or, in strict mode, an error) in every program that compiles.
     hazard_is_cost: bool = False
-    # Why the fix is off by default, where it is not proven safe yet (it broke a program that worked without
-    # it); TORCHFIX_ENABLE=name turns it on. Empty: on by default.
-    experimental: str = ""
 
     def supports(self, torch_version: str) -> bool:
         try:

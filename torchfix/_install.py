@@ -47,9 +47,9 @@ def _complain(message: str) -> None:
     warnings.warn(message, TorchfixWarning, stacklevel=4)
 
 
-def _named_fixes(variable: str) -> set[str]:
-    """The fixes an environment variable names: ``1`` (or ``all``) for all, else ``name,name``."""
-    value = os.environ.get(variable, "").strip()
+def disabled_fixes() -> set[str]:
+    """Names of the fixes TORCHFIX_DISABLE turns off: ``1`` (or ``all``) for all, else ``name,name``."""
+    value = os.environ.get("TORCHFIX_DISABLE", "").strip()
     known = {fix.name for fix in fixes.ALL}
     if value.lower() in {"", "0", "false", "no"}:
         return set()
@@ -58,20 +58,10 @@ def _named_fixes(variable: str) -> set[str]:
     names = {name.strip() for name in value.split(",") if name.strip()}
     if names - known:
         _complain(
-            f"{variable} names unknown fixes {sorted(names - known)}; known: {sorted(known)}. "
+            f"TORCHFIX_DISABLE names unknown fixes {sorted(names - known)}; known: {sorted(known)}. "
             "Those names are ignored."
         )
     return names & known
-
-
-def disabled_fixes() -> dict[str, str]:
-    """The fixes that stay off, with why: TORCHFIX_DISABLE, and experimental fixes TORCHFIX_ENABLE does not name."""
-    off = dict.fromkeys(_named_fixes("TORCHFIX_DISABLE"), "TORCHFIX_DISABLE")
-    enabled = _named_fixes("TORCHFIX_ENABLE")
-    for fix in fixes.ALL:
-        if fix.experimental and fix.name not in enabled and fix.name not in off:
-            off[fix.name] = f"experimental, off unless TORCHFIX_ENABLE names it: {fix.experimental}"
-    return off
 
 
 def _set(status: FixStatus) -> None:
@@ -88,7 +78,7 @@ def install() -> list[FixStatus]:
         off = disabled_fixes()
         for fix in fixes.ALL:
             if fix.name in off:
-                _set(FixStatus(fix.name, State.DISABLED, off[fix.name]))
+                _set(FixStatus(fix.name, State.DISABLED, "TORCHFIX_DISABLE"))
         waiting: dict[str, list[Fix]] = {}
         for fix in fixes.ALL:
             if fix.name not in off:

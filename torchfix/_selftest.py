@@ -544,19 +544,13 @@ def run_all(timeout: float = 60.0) -> list[Result]:
     # which would end the report. So the cold start runs only where the fix is in.
     applied = {entry.name for entry in status() if entry.state is State.APPLIED}
     cold_start = [("cold start", lambda: duplicate_compiles(3, timeout))] if "compile-cache-recheck" in applied else []
-    # An experimental fix off by default: its hazard is known; the self-test checks the fix where it is on.
-    counters = (
-        [("H7 step counters", lambda: h7_cudagraph_step_counters(timeout))]
-        if "cudagraph-step-counters" in applied
-        else []
-    )
     scenarios: list[tuple[str, Callable[[], Result | None]]] = [
         ("H1 symbolic_trace", lambda: h1_nested_trace_error("symbolic_trace", timeout)),
         ("H1 make_fx", lambda: h1_nested_trace_error("make_fx", timeout)),
         ("H3", lambda: h3_is_compiling_elsewhere(timeout)),
         ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
         ("H7 trees", lambda: h7_cudagraph_trees_in_new_thread(timeout)),
-        *counters,
+        ("H7 step counters", lambda: h7_cudagraph_step_counters(timeout)),
         *cold_start,
         ("H2", lambda: h2_stuck_flag(timeout)),
         ("H4 cond", lambda: h4_trace_patches_leak("cond", timeout)),

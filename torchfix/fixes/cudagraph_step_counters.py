@@ -15,9 +15,6 @@ tree containers, so autograd's device thread running a thread's backward reads t
 The trees read them through ``_cudagraph_steps()``. The increment on every compiled call stays call-free
 (it must cost next to nothing): it goes to the calling thread's ``Steps`` through a ``threading.local``
 whose class default is one shared object, for threads that have not run a CUDA graph (nobody reads it).
-
-Experimental, off by default (``TORCHFIX_ENABLE`` turns it on): it also broke a program that works without
-it (the reason in ``FIX.experimental``), and why is not found yet.
 """
 
 from __future__ import annotations
@@ -151,6 +148,4 @@ FIX = Fix(
         _TreeCounters(),
     ],
     trigger=TREES,
-    experimental="on an H200 (torch 2.11) 5 of 10 runs of 3 threads training with CUDA graphs and no mark-step "
-    "calls crashed (SIGSEGV) with it, 0 of 3 without it; what goes wrong is not found yet",
 )

