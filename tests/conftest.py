@@ -33,6 +33,10 @@ HAS_H6 = TORCH_VERSION.release >= (2, 12)
 # mark-step counter and the generation are process globals in every release so far (H7).
 HAS_H7_TREES = (2, 1) <= TORCH_VERSION.release < (2, 13)
 HAS_H7_COUNTERS = (2, 1) <= TORCH_VERSION.release < (2, 16)
+# torch.fx.traceback's node metadata is process-global in every release so far (upstream #184917).
+HAS_NODE_META = TORCH_VERSION.release < (2, 16)
+# torch.compiler.set_stance (2.6+) keeps the stance in a process global in every release so far.
+HAS_STANCE = (2, 6) <= TORCH_VERSION.release < (2, 16)
 # Threads missing Dynamo's cache together each compile the frame again (2.6+ here); the fix needs 2.6+.
 HAS_RECHECK_FIX = TORCH_VERSION.release >= (2, 6)
 # Seen in the matrix: these releases segfault when a thread recompiles a frame that other threads wait to

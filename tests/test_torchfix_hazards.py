@@ -14,7 +14,9 @@ from conftest import (
     HAS_H6,
     HAS_H7_COUNTERS,
     HAS_H7_TREES,
+    HAS_NODE_META,
     HAS_RECHECK_FIX,
+    HAS_STANCE,
     TORCH_CRASHES_ON_CONCURRENT_RECOMPILE,
     run_ok,
     run_python,
@@ -62,6 +64,18 @@ def test_h3_compile_in_one_thread_makes_is_compiling_true_in_another(disabled):
     assert result["hazard"] == (disabled and HAS_H3), result
     if HAS_H3:  # the compiling thread itself still sees True, fix or not
         assert result["detail"].endswith("(in the compiling thread: True)"), result
+
+
+def test_set_stance_in_one_thread_leaves_other_threads_compiling(disabled):
+    result = scenario("_selftest.stance_elsewhere()", disabled, fix="compile-stance")
+    if result is None:
+        pytest.skip("this torch has no torch.compiler.set_stance (2.6+)")
+    assert result["hazard"] == (disabled and HAS_STANCE), result
+
+
+def test_node_meta_recorded_in_one_thread_stays_there(disabled):
+    result = scenario("_selftest.node_meta_elsewhere()", disabled, fix="fx-node-meta")
+    assert result["hazard"] == (disabled and HAS_NODE_META), result
 
 
 @pytest.mark.parametrize("action", ["eager_module", "symbolic_trace", "cond"])

@@ -78,7 +78,8 @@ def test_two_patches_of_one_function_compose(order, revert, after_one):
 def test_two_fixes_of_one_file_revert_in_either_order():
     # fx-tracing-flag and trace-patch-isolation both move globals of torch.fx._symbolic_trace to
     # per-thread holders, served to other modules by one module __getattr__.
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json
 import torch
 import torch.fx._symbolic_trace as st
@@ -101,7 +102,9 @@ revert_all(iso_patches)
 seen["restored"] = (st.Tracer.trace.__code__, st.is_fx_tracing.__code__) == original
 seen["no_getattr"] = "__getattr__" not in vars(st) and "CURRENT_PATCHER" in vars(st)
 print(json.dumps(seen))
-""", disable="1").json()
+""",
+        disable="1",
+    ).json()
     assert ran == {
         "states": ["applied", "applied"],
         "flag_back": True,

@@ -8,6 +8,7 @@ that can fail runs before the first change.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import dis
 import importlib
 import importlib.util
@@ -15,7 +16,7 @@ import os
 import symtable
 import threading
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
 from ._source import Edit, PatchedFile, ShapeError, iter_code, live_functions, parse, replace_node, segment
@@ -119,18 +120,34 @@ def _module_level_names(source: str) -> set[str]:
     return names
 
 
-def _module_level_literals(source: str, names: set[str]) -> dict[str, tuple[object, str]]:
-    """``{name: (value, source text)}`` of the module-level assignments of ``names`` (their defaults)."""
+_IMMUTABLE = (bool, int, float, str, bytes, type(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Default:
+    """A moved global's value in a thread that has not set one: what the file assigns at module level."""
+
+    source: str  # the expression, as the file spells it
+    value: object = None  # its value, where it is an immutable literal (a flag): shared by every thread
+    shared: bool = False  # True for such literals; else each thread gets its own, evaluating ``source``
+
+
+def _module_level_defaults(source: str, names: set[str]) -> dict[str, _Default]:
+    """The defaults of ``names``, from their module-level assignments."""
     found = {}
     for node in parse(source).body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
                 if isinstance(target, ast.Name) and target.id in names:
+                    text = segment(source, node.value)
                     try:
-                        found[target.id] = (ast.literal_eval(node.value), segment(source, node.value))
+                        value = ast.literal_eval(node.value)
                     except ValueError:
-                        raise ShapeError(f"line {node.lineno}: {target.id} is not set to a literal") from None
+                        found[target.id] = _Default(text)  # an object (say ``DynamoStance()``): one per thread
+                        continue
+                    # A mutable literal (``{}``) is mutated in place by its users: one per thread too.
+                    found[target.id] = _Default(text, value, shared=isinstance(value, _IMMUTABLE))
     return found
 
 
@@ -176,16 +193,18 @@ def _global_uses(source: str, filename: str, name: str) -> tuple[list[ast.Name],
     return names, declarations
 
 
-def _per_thread_class(holder: str, defaults: dict[str, object]) -> type:
+def _per_thread_class(holder: str, defaults: dict[str, object], factories: dict[str, Callable[[], object]]) -> type:
     """The holder's type: one property per moved global, kept per thread (a ``threading.local``), and
-    ``overridden``, how many (thread, name) pairs hold something else than the default.
+    ``overridden``, how many (thread, name) pairs hold something else than their shared default.
 
     A ``threading.local`` read costs about three times a global read, and torch reads these flags on
-    every compiled call. The rewritten reads test ``overridden`` (a plain attribute) first and take the
-    thread's value only while some thread has set one of its own, which is rare (during a trace or an
-    export): otherwise they cost one attribute read more than the global did. Writes are rare and take a
-    lock to keep the count exact. A thread that dies holding a non-default value keeps the count above
-    zero: reads stay correct, only slower.
+    every compiled call. The rewritten reads of a flag (``defaults``: an immutable value every thread
+    starts with) test ``overridden`` (a plain attribute) first and take the thread's value only while
+    some thread has set one of its own, which is rare (during a trace or an export): otherwise they cost
+    one attribute read more than the global did. Writes are rare and take a lock to keep the count exact.
+    A thread that dies holding a non-default value keeps the count above zero: reads stay correct, only
+    slower. A global whose default is an object (``factories``) is read through the property every time:
+    each thread gets its own object on its first read.
     """
 
     def per_thread(attr: str, default: object) -> property:
@@ -200,10 +219,25 @@ def _per_thread_class(holder: str, defaults: dict[str, object]) -> type:
 
         return property(get, set_)
 
+    def per_thread_object(attr: str, make: Callable[[], object]) -> property:
+        def get(self: object) -> object:
+            try:
+                return getattr(self._local, attr)
+            except AttributeError:
+                value = make()
+                setattr(self._local, attr, value)
+                return value
+
+        def set_(self: object, value: object) -> None:
+            setattr(self._local, attr, value)
+
+        return property(get, set_)
+
     def __init__(self: object) -> None:
         self._local, self._lock, self.overridden = threading.local(), threading.Lock(), 0
 
     namespace = {attr: per_thread(attr, default) for attr, default in defaults.items()}
+    namespace |= {attr: per_thread_object(attr, make) for attr, make in factories.items()}
     return type(holder, (), {"__slots__": ("_local", "_lock", "overridden"), "__init__": __init__, **namespace})
 
 
@@ -238,14 +272,15 @@ class ThreadLocalGlobals(SourcePatch):
     def edits(self, source: str) -> list[Edit]:
         edits = []
         present = self._present(_module_level_names(source))
-        defaults = _module_level_literals(source, set(present))
+        defaults = _module_level_defaults(source, set(present))
         for name, attr in present.items():
             uses, declarations = _global_uses(source, self.relpath, name)
             if not uses:
                 raise ShapeError(f"{self.relpath}: no function uses the global {name}")
             value = f"{self.holder}.{attr}"
-            fast_read = f"({value} if {self.holder}.overridden else {defaults[name][1]})"
-            edits += [replace_node(use, fast_read if isinstance(use.ctx, ast.Load) else value) for use in uses]
+            read = f"({value} if {self.holder}.overridden else {defaults[name].source})"
+            read = read if defaults[name].shared else value
+            edits += [replace_node(use, read if isinstance(use.ctx, ast.Load) else value) for use in uses]
             edits += [self._drop_declaration(source, decl, name) for decl in declarations]
         return edits
 
@@ -272,12 +307,19 @@ class ThreadLocalGlobals(SourcePatch):
         missing = [name for name in moved if name not in namespace]
         if missing or self.holder in namespace:
             raise ShapeError(f"{module.__name__}: expected globals {missing} and no {self.holder}")
-        # The file's initial values are every thread's defaults (the fast reads have them inline); a value
-        # set before the install (say a flag left stuck) stays the installing thread's own.
-        literals = _module_level_literals(source, set(moved))
-        holder = _per_thread_class(self.holder, {moved[name]: value for name, (value, _) in literals.items()})()
+        # The file's initial values are every thread's defaults (the fast reads have the flags' inline); a
+        # value set before the install (say a flag left stuck) stays the installing thread's own, and so
+        # does the object a global holds (the stance set so far, the node meta being filled in).
+        defaults = _module_level_defaults(source, set(moved))
+        flags = {moved[name]: d.value for name, d in defaults.items() if d.shared}
+        factories = {
+            moved[name]: eval(f"lambda: {d.source}", namespace)  # noqa: S307 (torch's own expression, in its module)
+            for name, d in defaults.items()
+            if not d.shared
+        }
+        holder = _per_thread_class(self.holder, flags, factories)()
         for name, attr in moved.items():
-            if namespace[name] != literals[name][0]:
+            if attr in factories or namespace[name] != flags[attr]:
                 setattr(holder, attr, namespace[name])
         namespace[self.holder] = holder
         _MovedGlobals.of(module).add({name: (holder, attr) for name, attr in moved.items()})
@@ -316,20 +358,21 @@ class ThreadLocalGlobals(SourcePatch):
         reads the calling thread's value."""
         holder = vars(module)[self.holder]
         mine = {name: getattr(module, name) for name in self._moved}
+        elsewhere = object()  # a value only the other thread sets
         seen_elsewhere: dict[str, object] = {}
 
         def other_thread() -> None:
             for name, attr in self._moved.items():
                 own = getattr(holder, attr)
-                setattr(holder, attr, not mine[name])
+                setattr(holder, attr, elsewhere)
                 seen_elsewhere[name] = getattr(module, name)
                 setattr(holder, attr, own)  # a thread that ends on a value of its own slows every read
 
         thread = threading.Thread(target=other_thread, name="torchfix-verify")
         thread.start()
         thread.join()
-        if seen_elsewhere != {name: not value for name, value in mine.items()} or any(
-            getattr(module, name) != value for name, value in mine.items()
+        if any(seen is not elsewhere for seen in seen_elsewhere.values()) or any(
+            getattr(module, name) is not value for name, value in mine.items()
         ):
             raise ShapeError(f"{module.__name__}: {', '.join(self._moved)} did not behave per-thread after patching")
 

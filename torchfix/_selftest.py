@@ -220,6 +220,67 @@ def h3_is_compiling_elsewhere(timeout: float = 60.0) -> Result | None:
     return Result("H3 (torch.compile in one thread, is_compiling() in another)", elsewhere, detail)
 
 
+def stance_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A is inside ``with torch.compiler.set_stance("force_eager")``, the main thread calls a
+    function compiled with a backend that counts its compiles: it must compile. None before torch 2.6."""
+    import torch
+
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return None
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(len(example_inputs))
+        return gm.forward
+
+    def triple(x):
+        return x * 3
+
+    inside, release = threading.Event(), threading.Event()
+
+    def evaluate() -> None:
+        with set_stance("force_eager"):
+            inside.set()
+            release.wait(timeout)
+
+    thread = threading.Thread(target=evaluate, name="torchfix-selftest")
+    thread.start()
+    inside.wait(timeout)
+    try:
+        torch.compile(triple, backend=counting)(torch.ones(2))
+    finally:
+        release.set()
+        thread.join(timeout)
+    detail = f"the backend compiled {len(compiles)} graph(s) for the call"
+    return Result("stance (set_stance('force_eager') in one thread, a compiled call in another)", not compiles, detail)
+
+
+def node_meta_elsewhere(timeout: float = 60.0) -> Result:
+    """While thread A records node metadata (``preserve_node_meta()`` and a stack trace, as Dynamo and
+    AOTAutograd do for every graph they build), what the main thread's FX graphs would record: nothing."""
+    from torch.fx import traceback as fx_traceback
+
+    marker = "torchfix-selftest stack\n"
+    inside, release = threading.Event(), threading.Event()
+
+    def record() -> None:
+        with fx_traceback.preserve_node_meta():
+            fx_traceback.set_stack_trace([marker])
+            inside.set()
+            release.wait(timeout)
+
+    thread = threading.Thread(target=record, name="torchfix-selftest")
+    thread.start()
+    inside.wait(timeout)
+    preserved, meta = fx_traceback.has_preserved_node_meta(), fx_traceback.get_current_meta()
+    release.set()
+    thread.join(timeout)
+    leaked = preserved or marker in str(meta.get("stack_trace"))
+    detail = f"has_preserved_node_meta() {preserved}; stack_trace {meta.get('stack_trace')!r}"
+    return Result("node meta (recorded in one thread, read by another thread's graphs)", leaked, detail)
+
+
 def _module_slots() -> dict[str, object]:
     """What ``Tracer.trace`` patches on ``nn.Module``: must be the originals again once no trace runs."""
     import torch
@@ -548,6 +609,8 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("H1 symbolic_trace", lambda: h1_nested_trace_error("symbolic_trace", timeout)),
         ("H1 make_fx", lambda: h1_nested_trace_error("make_fx", timeout)),
         ("H3", lambda: h3_is_compiling_elsewhere(timeout)),
+        ("stance", lambda: stance_elsewhere(timeout)),
+        ("node meta", lambda: node_meta_elsewhere(timeout)),
         ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
         ("H7 trees", lambda: h7_cudagraph_trees_in_new_thread(timeout)),
         ("H7 step counters", lambda: h7_cudagraph_step_counters(timeout)),

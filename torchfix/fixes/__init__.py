@@ -4,10 +4,12 @@ from .._fix import Fix
 from . import (
     backward_compile,
     compile_cache_recheck,
+    compile_stance,
     compiler_flags,
     cudagraph_step_counters,
     cudagraph_thread_trees,
     cudagraph_tree_callable,
+    fx_node_meta,
     fx_tracing_flag,
     trace_patch_isolation,
 )
@@ -18,6 +20,8 @@ ALL: list[Fix] = [
     trace_patch_isolation.FIX,
     backward_compile.FIX,
     compile_cache_recheck.FIX,
+    compile_stance.FIX,
+    fx_node_meta.FIX,
     cudagraph_thread_trees.FIX,
     cudagraph_tree_callable.FIX,
     cudagraph_step_counters.FIX,

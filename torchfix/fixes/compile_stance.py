@@ -1,0 +1,51 @@
+"""compile-stance: ``torch.compiler.set_stance`` acts in the thread that sets it.
+
+``torch.compiler.set_stance`` (torch 2.6+) keeps the stance in one module global,
+``torch._dynamo.eval_frame._stance``, which every compiled call reads (``_callback_from_stance``) to decide
+whether to run compiled, eagerly, or fail on a recompile. So one thread's
+``with torch.compiler.set_stance("force_eager"):`` (an evaluation pass, a debugging region) makes every
+other thread's compiled calls run eagerly while it lasts: silent, and as slow as an eager fallback (measured
+on torch 2.13 and 2.14.1 with the rest of torchfix on: 0 of 5 calls in another thread compiled). Still a
+global in 2.15.
+
+The stance moves to a ``threading.local`` (``eval_frame._stance_tls``): each thread starts with the default
+stance (``DynamoStance()``, evaluated per thread), ``set_stance`` and its context manager set and restore the
+calling thread's, and ``eval_frame._stance`` read from other modules (compiled autograd, 2.6+) goes through
+the module ``__getattr__`` of :class:`ThreadLocalGlobals` to the calling thread's. Not covered: the
+``skip_guard_eval_unsafe`` stance also sets a flag in eval_frame's C code, which is process-wide in every
+release (upstream pytorch/pytorch#196637); and compiled autograd running on autograd's device thread reads
+that thread's stance (the default), not the stance of the thread whose backward it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from packaging.specifiers import SpecifierSet
+
+from .._fix import Fix
+from .._patch import ThreadLocalGlobals
+
+MODULE = "torch._dynamo.eval_frame"
+HOLDER = "_stance_tls"
+
+
+def _probe() -> str | None:
+    module = importlib.import_module(MODULE)
+    if HOLDER in vars(module):
+        return "the compile stance is per thread already"
+    if "_stance" not in vars(module):
+        return "this torch has no torch.compiler.set_stance (2.6+)"
+    return None
+
+
+FIX = Fix(
+    name="compile-stance",
+    hazard="one thread's torch.compiler.set_stance('force_eager') makes every thread's compiled calls run eagerly",
+    versions=SpecifierSet(">=2.6,<2.16", prereleases=True),
+    probe=_probe,
+    patches=lambda _torch_version: [
+        ThreadLocalGlobals(MODULE, "torch/_dynamo/eval_frame.py", HOLDER, {"_stance": "stance"})
+    ],
+    trigger=MODULE,
+)

@@ -1,0 +1,67 @@
+"""fx-node-meta: the FX node metadata being recorded belongs to the thread that records it.
+
+``torch.fx.traceback`` keeps the metadata that FX graph construction copies into every new node in module
+globals: ``current_meta`` (the node being replayed or the stack trace being recorded, filled in by
+``set_current_meta``, ``annotate``, ``set_stack_trace`` and by ``make_fx`` per dispatched op),
+``should_preserve_node_meta`` (set by ``preserve_node_meta()``, which Dynamo and AOTAutograd enter for
+every compile), and from torch 2.10 ``current_replay_node`` (and from 2.11 ``_should_preserve_node_meta``). All are
+process globals up to 2.15 (upstream pytorch/pytorch#184917). So while one thread traces inside
+``preserve_node_meta()`` + ``set_current_meta(node)``, another thread's ``get_current_meta()`` returns the
+first thread's node meta and ``has_preserved_node_meta()`` is True: graphs traced or compiled at the same
+time get each other's stack traces, ``custom`` annotations and sequence numbers.
+
+The globals move to a ``threading.local`` (``torch.fx.traceback._node_meta_tls``) with
+:class:`ThreadLocalGlobals`: the flags keep their fast read, and each thread gets its own ``current_meta``
+dict (``{}``, made on its first read; the installing thread keeps the dict it had). Other modules use
+``fx_traceback.current_meta[...]`` by module attribute (AOTAutograd, ``make_fx``, checkpoint), which
+reaches the module ``__getattr__`` and so the calling thread's dict. Not covered: torch 2.13 - 2.15's
+``_higher_order_ops/flex_attention.py`` imports ``current_meta`` by name at import, so it reads the dict of
+the thread that imported it (upstream's copy goes stale the same way once ``preserve_node_meta`` rebinds
+the global).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from packaging.specifiers import SpecifierSet
+
+from .._fix import Fix
+from .._patch import ThreadLocalGlobals
+
+MODULE = "torch.fx.traceback"
+HOLDER = "_node_meta_tls"
+GLOBALS = {
+    "current_meta": "current_meta",
+    "should_preserve_node_meta": "should_preserve_node_meta",
+    "current_replay_node": "current_replay_node",  # 2.10+
+    "_should_preserve_node_meta": "preserve_seq_nr",  # 2.11+
+}
+
+
+def _probe() -> str | None:
+    module = importlib.import_module(MODULE)
+    if HOLDER in vars(module):
+        return "the FX node metadata is per thread already"
+    if not isinstance(vars(module).get("current_meta"), dict):
+        return f"{MODULE} has no global current_meta dict (changed upstream)"
+    return None
+
+
+FIX = Fix(
+    name="fx-node-meta",
+    hazard="while one thread traces with node metadata (preserve_node_meta, set_current_meta), other threads' "
+    "FX graphs get its stack traces and metadata",
+    versions=SpecifierSet(">=2.0,<2.16", prereleases=True),
+    probe=_probe,
+    patches=lambda _torch_version: [
+        ThreadLocalGlobals(
+            MODULE,
+            "torch/fx/traceback.py",
+            HOLDER,
+            GLOBALS,
+            optional=frozenset({"current_replay_node", "_should_preserve_node_meta"}),
+        )
+    ],
+    trigger=MODULE,
+)
