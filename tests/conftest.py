@@ -35,6 +35,8 @@ HAS_H7_TREES = (2, 1) <= TORCH_VERSION.release < (2, 13)
 HAS_H7_COUNTERS = (2, 1) <= TORCH_VERSION.release < (2, 16)
 # torch.fx.traceback's node metadata is process-global in every release so far (upstream #184917).
 HAS_NODE_META = TORCH_VERSION.release < (2, 16)
+# torch.export.load keeps the deserializer at work in a process global from 2.3 (upstream #195099).
+HAS_EXPORT_LOAD = (2, 3) <= TORCH_VERSION.release < (2, 16)
 # torch.compiler.set_stance (2.6+) keeps the stance in a process global in every release so far.
 HAS_STANCE = (2, 6) <= TORCH_VERSION.release < (2, 16)
 # Threads missing Dynamo's cache together each compile the frame again (2.6+ here); the fix needs 2.6+.

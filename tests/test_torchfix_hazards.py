@@ -7,6 +7,7 @@ proves nothing); with torchfix it must be gone.
 
 import pytest
 from conftest import (
+    HAS_EXPORT_LOAD,
     HAS_H1,
     HAS_H2,
     HAS_H3,
@@ -76,6 +77,13 @@ def test_set_stance_in_one_thread_leaves_other_threads_compiling(disabled):
 def test_node_meta_recorded_in_one_thread_stays_there(disabled):
     result = scenario("_selftest.node_meta_elsewhere()", disabled, fix="fx-node-meta")
     assert result["hazard"] == (disabled and HAS_NODE_META), result
+
+
+def test_export_load_in_two_threads_at_once(disabled):
+    result = scenario("_selftest.export_load_elsewhere()", disabled, fix="export-deserializer")
+    if result is None:
+        pytest.skip("this torch has no export deserializer global (2.3+)")
+    assert result["hazard"] == (disabled and HAS_EXPORT_LOAD), result
 
 
 @pytest.mark.parametrize("action", ["eager_module", "symbolic_trace", "cond"])

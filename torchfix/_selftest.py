@@ -281,6 +281,59 @@ def node_meta_elsewhere(timeout: float = 60.0) -> Result:
     return Result("node meta (recorded in one thread, read by another thread's graphs)", leaked, detail)
 
 
+def export_load_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A is inside ``torch.export.load`` (held at its first torch function once torch's
+    deserializer is at work, by a ``TorchFunctionMode`` of that thread), the main thread loads the same
+    program: both must load. None where torch has no deserializer global to hold a load at (before 2.3)."""
+    import io
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    export = getattr(torch, "export", None)
+    if export is None or not hasattr(export, "load"):
+        return None
+    from torch._export.serde import serialize
+
+    if not {"_CURRENT_DESERIALIZER", "_deserializer_tls"} & vars(serialize).keys():
+        return None  # before 2.3: no deserializer global, and no point to hold a load at
+    saved = io.BytesIO()
+    export.save(export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),)), saved)
+
+    inside, release = threading.Event(), threading.Event()
+
+    class HoldInsideLoad(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            # The deserializer torch has at work, as the calling thread sees it (None before 2.3).
+            if not inside.is_set() and getattr(serialize, "_CURRENT_DESERIALIZER", None) is not None:
+                inside.set()
+                release.wait(timeout)
+            return func(*args, **(kwargs or {}))
+
+    def load() -> str:
+        try:
+            export.load(io.BytesIO(saved.getvalue()))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "loaded"
+
+    def held_load() -> str:
+        with HoldInsideLoad():
+            return load()
+
+    held: list[str] = []
+    thread = threading.Thread(target=lambda: held.append(held_load()), name="torchfix-selftest")
+    thread.start()
+    inside.wait(timeout)
+    mine = load()
+    release.set()
+    thread.join(timeout)
+    detail = f"the main thread's load: {mine}; the held thread's: {(held or ['no answer'])[0]}"
+    return Result(
+        "export (torch.export.load in two threads at once)", (held or [""])[0] != "loaded" or mine != "loaded", detail
+    )
+
+
 def _module_slots() -> dict[str, object]:
     """What ``Tracer.trace`` patches on ``nn.Module``: must be the originals again once no trace runs."""
     import torch
@@ -611,6 +664,7 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("H3", lambda: h3_is_compiling_elsewhere(timeout)),
         ("stance", lambda: stance_elsewhere(timeout)),
         ("node meta", lambda: node_meta_elsewhere(timeout)),
+        ("export load", lambda: export_load_elsewhere(timeout)),
         ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
         ("H7 trees", lambda: h7_cudagraph_trees_in_new_thread(timeout)),
         ("H7 step counters", lambda: h7_cudagraph_step_counters(timeout)),

@@ -1,0 +1,50 @@
+"""export-deserializer: ``torch.export.load`` in several threads at once.
+
+``torch._export.serde.serialize`` keeps the deserializer at work in one module global,
+``_CURRENT_DESERIALIZER``: ``GraphModuleDeserializer.deserialize`` refuses to start while it is set, sets it
+for the whole of its run and clears it at the end, and fake tensors unpickled meanwhile
+(``_reconstruct_fake_tensor``) take their meta from it. So two threads loading exported programs at the
+same time fail: the second raises ``AssertionError: _CURRENT_DESERIALIZER is already set`` (on torch 2.13,
+two threads loading a small program 20 times each: 20 of 40 loads failed), or one thread's fake tensors
+would be rebuilt by the other's deserializer. A global from torch 2.3 to 2.15 (upstream
+pytorch/pytorch#195099, #195100).
+
+The global moves to a ``threading.local`` (``serialize._deserializer_tls``) with :class:`ThreadLocalGlobals`:
+each thread has its own deserializer slot, so loads in different threads run side by side, and a thread
+still cannot nest two deserializations (torch's check stays, per thread).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from packaging.specifiers import SpecifierSet
+
+from .._fix import Fix
+from .._patch import ThreadLocalGlobals
+
+MODULE = "torch._export.serde.serialize"
+HOLDER = "_deserializer_tls"
+
+
+def _probe() -> str | None:
+    module = importlib.import_module(MODULE)
+    if HOLDER in vars(module):
+        return "the export deserializer is per thread already"
+    if "_CURRENT_DESERIALIZER" not in vars(module):
+        return f"{MODULE} has no global _CURRENT_DESERIALIZER (before torch 2.3)"
+    return None
+
+
+FIX = Fix(
+    name="export-deserializer",
+    hazard="torch.export.load in two threads at once raises AssertionError: _CURRENT_DESERIALIZER is already set",
+    versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
+    probe=_probe,
+    patches=lambda _torch_version: [
+        ThreadLocalGlobals(
+            MODULE, "torch/_export/serde/serialize.py", HOLDER, {"_CURRENT_DESERIALIZER": "deserializer"}
+        )
+    ],
+    trigger=MODULE,
+)
