@@ -25,8 +25,9 @@ HAS_H2 = (2, 2) <= TORCH_VERSION.release < (2, 14)
 HAS_H3 = (2, 13) <= TORCH_VERSION.release < (2, 16)
 # Tracer.trace patches nn.Module and wrapped functions process-wide in every release so far (H4).
 HAS_H4 = TORCH_VERSION.release < (2, 16)
-# torch can compile backward graphs with their forward (the H5 fix's switch) from 2.9.
-HAS_H5_SWITCH = TORCH_VERSION.release >= (2, 9)
+# The H5 fix compiles backward graphs with their forward from 2.6 (torch's switch from 2.9, its eager
+# path for dynamic shapes before).
+HAS_H5_FIX = TORCH_VERSION.release >= (2, 6)
 # Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
 # CUDA graph trees (2.1+): the tree containers exist only in the importing thread before 2.13; the

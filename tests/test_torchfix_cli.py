@@ -15,11 +15,7 @@ def torchfix_cli(*args: str, **kwargs):
 def test_doctor_reports_every_fix_and_passes_the_self_test():
     ran = torchfix_cli()
     assert "fx-tracing-flag" in ran.stdout and "FAIL" not in ran.stdout, ran.stdout + ran.stderr
-    if (2, 6) <= TORCH_VERSION.release < (2, 9):  # H5 is there and torch has no switch: the doctor says so
-        assert ran.returncode == 1 and ran.stdout.rstrip().endswith("1 problem(s)"), ran.stdout
-        assert "backward-compile-deadlock  unsupported" in ran.stdout
-    else:
-        assert ran.returncode == 0 and ran.stdout.rstrip().endswith("OK"), ran.stdout + ran.stderr
+    assert ran.returncode == 0 and ran.stdout.rstrip().endswith("OK"), ran.stdout + ran.stderr
 
 
 @pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ has no FX-flag hazard to show")

@@ -2,7 +2,7 @@
 the forward's flag (torch 2.14's behaviour), verify() catches a global access left behind."""
 
 import pytest
-from conftest import HAS_H1, HAS_H3, HAS_H5_SWITCH, run_ok
+from conftest import HAS_H1, HAS_H3, HAS_H5_FIX, run_ok
 
 
 def test_fullgraph_compile_folds_the_predicates(disabled):
@@ -174,7 +174,7 @@ print(json.dumps([inside, after]))
     assert ran == [False, True]
 
 
-@pytest.mark.skipif(not HAS_H5_SWITCH, reason="no eager backward lowering switch before torch 2.9")
+@pytest.mark.skipif(not HAS_H5_FIX, reason="no H5 before torch 2.6: the backward compiler takes no lock")
 def test_backward_is_compiled_with_the_forward_in_every_thread(disabled):
     # The H5 fix: a backward graph is compiled inside the forward compile (under the lock it holds), not
     # lazily on autograd's device thread; in threads started before `import torchfix` too.

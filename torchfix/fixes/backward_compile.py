@@ -12,14 +12,19 @@ already holds, so nothing compiles on the device thread. torch has the switch fr
 (2.10+). From 2.12 config assignments are per-thread, so setting it in the main thread would not reach
 the threads that compile; this fix changes the entry's default, which every thread reads.
 
+torch 2.6 - 2.8 have no switch, but they have the eager path the switch turns on: AOTAutograd's
+``aot_dispatch_autograd`` compiles the backward with the forward for graphs that save symbolic ints
+(``if num_symints_saved_for_bw > 0:``). There the fix widens that condition to every graph, and on 2.6 -
+2.7, whose eager path compiles ``bw_module`` itself, hands the compiler a copy as 2.8 does (compiled
+autograd retraces ``bw_module`` later, and Inductor's passes change the graph they get). A backward whose
+eager compile fails is still compiled lazily, with torch's warning, as upstream does for dynamic shapes.
+
 Cost: a graph compiled for training has its backward compiled up front, also if it is never used.
-torch 2.6 - 2.8 have no switch (their eager path, used for graphs that save symbolic ints, compiles
-the backward without copying it first, which 2.9 added): there the fix reports "unsupported"; train
-with one compiling thread per device, or hold a lock around each thread's first step.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 
 from packaging.specifiers import SpecifierSet
@@ -27,11 +32,57 @@ from packaging.version import Version
 
 from .._defaults import ConfigDefault, KeywordDefault
 from .._fix import Fix
+from .._patch import SourcePatch
+from .._source import Edit, ShapeError, definitions, replace_node, segment
 
 SWITCH = "force_non_lazy_backward_lowering"
 CONFIG = "torch._functorch.config"
 AOT = "torch._functorch.aot_autograd"
 KEYWORD_FUNCTION = "prepare_aot_module_simplified"  # torch 2.9
+EAGER_PATH = "torch._functorch._aot_autograd.jit_compile_runtime_wrappers"  # torch 2.6 - 2.8
+ALWAYS = "_compile_backward_with_forward"
+COPY = "_backward_graph_copy"
+
+
+def backward_graph_copy(bw_module: object) -> object:
+    """What torch 2.8's eager path compiles: a copy of the backward graph (made outside fake mode: it may
+    hold real constants)."""
+    import copy
+
+    import torch
+
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        return copy.deepcopy(bw_module)
+
+
+class _EagerBackwardPath(SourcePatch):
+    """torch 2.6 - 2.8: AOTAutograd's eager backward compile, taken for every graph."""
+
+    def __init__(self) -> None:
+        super().__init__(EAGER_PATH, "torch/_functorch/_aot_autograd/jit_compile_runtime_wrappers.py")
+
+    def describe(self) -> str:
+        return super().describe() + "; the backward of every graph is compiled with its forward"
+
+    def edits(self, source: str) -> list[Edit]:
+        function = definitions(source).get("aot_dispatch_autograd")
+        eager = [
+            (branch, call)
+            for branch in (ast.walk(function) if function is not None else ())
+            if isinstance(branch, ast.If) and segment(source, branch.test) == "num_symints_saved_for_bw > 0"
+            for call in ast.walk(branch)
+            if isinstance(call, ast.Call) and segment(source, call.func) == "aot_config.bw_compiler"
+        ]
+        if len(eager) != 1:
+            raise ShapeError(f"{self.relpath}: expected one eager backward compile in aot_dispatch_autograd")
+        branch, compile_call = eager[0]
+        edits = [replace_node(branch.test, f"num_symints_saved_for_bw > 0 or {ALWAYS}")]
+        if segment(source, compile_call.args[0]) == "bw_module":  # 2.6 - 2.7 compile the graph itself
+            edits.append(replace_node(compile_call.args[0], f"{COPY}(bw_module)"))
+        return edits
+
+    def helpers(self) -> dict[str, object]:
+        return {ALWAYS: True, COPY: backward_graph_copy}
 
 
 def _config_entry() -> object | None:
@@ -53,16 +104,19 @@ def _probe() -> str | None:
 
 
 def _patches(torch_version: str) -> list:
-    if Version(torch_version).release >= (2, 10):
+    release = Version(torch_version).release
+    if release >= (2, 10):
         return [ConfigDefault(CONFIG, SWITCH, True)]
-    return [KeywordDefault(AOT, KEYWORD_FUNCTION, SWITCH, True)]
+    if release >= (2, 9):
+        return [KeywordDefault(AOT, KEYWORD_FUNCTION, SWITCH, True)]
+    return [_EagerBackwardPath()]
 
 
 FIX = Fix(
     name="backward-compile-deadlock",
     hazard="threads sharing a device deadlock: a lazy backward compile on autograd's device thread waits "
     "for compile_lock held by a forward compile that waits for that device thread",
-    versions=SpecifierSet(">=2.9,<2.16", prereleases=True),
+    versions=SpecifierSet(">=2.6,<2.16", prereleases=True),
     probe=_probe,
     patches=_patches,
 )
