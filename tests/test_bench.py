@@ -26,11 +26,12 @@ def test_benchmark_smoke(name, tmp_path):
     # Every configuration ran (a failed one is reported, not raised).
     assert not [row for row in result.get("rows", []) if "error" in row], result
     if name == "overhead":
-        # Counted, not timed: torchfix adds no call to a compiled call, only its fast flag reads (three
-        # bytecode instructions each; torch 2.13 reads five flags per call).
+        # Counted, not timed: torchfix adds no call to a compiled call, only its fast reads of moved
+        # globals (three bytecode instructions each; torch 2.13 reads five flags and, up to nine times,
+        # the compile stance per call: 42).
         work = result["compiled_call_work"]
         assert work["calls_with_torchfix"] == work["calls_without_torchfix"], work
-        assert 0 <= work["opcodes_with_torchfix"] - work["opcodes_without_torchfix"] <= 20, work
+        assert 0 <= work["opcodes_with_torchfix"] - work["opcodes_without_torchfix"] <= 45, work
 
 
 def test_trainer_rows_with_cuda_graphs_on_cuda_only():

@@ -125,11 +125,25 @@ _IMMUTABLE = (bool, int, float, str, bytes, type(None))
 
 @dataclasses.dataclass(frozen=True)
 class _Default:
-    """A moved global's value in a thread that has not set one: what the file assigns at module level."""
+    """A moved global's value in a thread that has not set one: what the file assigns at module level.
+
+    * an immutable literal (a flag): shared by every thread, and inlined in the fast reads;
+    * an object (``DynamoStance()``, a value its users replace, never change): one object shared by every
+      thread, kept in the module as ``<name>_default`` for the fast reads;
+    * a mutable literal (``{}``, which its users fill in place): each thread gets its own, made on its
+      first read, and every read goes to the thread's.
+    """
 
     source: str  # the expression, as the file spells it
-    value: object = None  # its value, where it is an immutable literal (a flag): shared by every thread
-    shared: bool = False  # True for such literals; else each thread gets its own, evaluating ``source``
+    value: object = None  # the literal's value
+    kind: str = "object"  # "flag", "object" or "own"
+
+    def fast_read(self, name: str, value: str, holder: str) -> str:
+        """The read of the moved global ``name`` whose per-thread value is the expression ``value``."""
+        if self.kind == "own":
+            return value
+        default = self.source if self.kind == "flag" else f"{name}_default"
+        return f"({value} if {holder}.overridden else {default})"
 
 
 def _module_level_defaults(source: str, names: set[str]) -> dict[str, _Default]:
@@ -144,10 +158,9 @@ def _module_level_defaults(source: str, names: set[str]) -> dict[str, _Default]:
                     try:
                         value = ast.literal_eval(node.value)
                     except ValueError:
-                        found[target.id] = _Default(text)  # an object (say ``DynamoStance()``): one per thread
+                        found[target.id] = _Default(text)
                         continue
-                    # A mutable literal (``{}``) is mutated in place by its users: one per thread too.
-                    found[target.id] = _Default(text, value, shared=isinstance(value, _IMMUTABLE))
+                    found[target.id] = _Default(text, value, "flag" if isinstance(value, _IMMUTABLE) else "own")
     return found
 
 
@@ -197,14 +210,14 @@ def _per_thread_class(holder: str, defaults: dict[str, object], factories: dict[
     """The holder's type: one property per moved global, kept per thread (a ``threading.local``), and
     ``overridden``, how many (thread, name) pairs hold something else than their shared default.
 
-    A ``threading.local`` read costs about three times a global read, and torch reads these flags on
-    every compiled call. The rewritten reads of a flag (``defaults``: an immutable value every thread
-    starts with) test ``overridden`` (a plain attribute) first and take the thread's value only while
+    A ``threading.local`` read costs about three times a global read, and torch reads these flags (and
+    the compile stance) on every compiled call. The rewritten reads of a global with a shared default
+    (``defaults``) test ``overridden`` (a plain attribute) first and take the thread's value only while
     some thread has set one of its own, which is rare (during a trace or an export): otherwise they cost
-    one attribute read more than the global did. Writes are rare and take a lock to keep the count exact.
-    A thread that dies holding a non-default value keeps the count above zero: reads stay correct, only
-    slower. A global whose default is an object (``factories``) is read through the property every time:
-    each thread gets its own object on its first read.
+    one attribute read more than the global did, and no call. Writes are rare and take a lock to keep the
+    count exact. A thread that dies holding a non-default value keeps the count above zero: reads stay
+    correct, only slower. A global with a default of its own per thread (``factories``) is read through
+    the property every time: each thread gets its own object on its first read.
     """
 
     def per_thread(attr: str, default: object) -> property:
@@ -278,8 +291,7 @@ class ThreadLocalGlobals(SourcePatch):
             if not uses:
                 raise ShapeError(f"{self.relpath}: no function uses the global {name}")
             value = f"{self.holder}.{attr}"
-            read = f"({value} if {self.holder}.overridden else {defaults[name].source})"
-            read = read if defaults[name].shared else value
+            read = defaults[name].fast_read(name, value, self.holder)
             edits += [replace_node(use, read if isinstance(use.ctx, ast.Load) else value) for use in uses]
             edits += [self._drop_declaration(source, decl, name) for decl in declarations]
         return edits
@@ -311,15 +323,20 @@ class ThreadLocalGlobals(SourcePatch):
         # value set before the install (say a flag left stuck) stays the installing thread's own, and so
         # does the object a global holds (the stance set so far, the node meta being filled in).
         defaults = _module_level_defaults(source, set(moved))
-        flags = {moved[name]: d.value for name, d in defaults.items() if d.shared}
-        factories = {
-            moved[name]: eval(f"lambda: {d.source}", namespace)  # noqa: S307 (torch's own expression, in its module)
-            for name, d in defaults.items()
-            if not d.shared
-        }
-        holder = _per_thread_class(self.holder, flags, factories)()
+        shared, factories = {}, {}
+        for name, default in defaults.items():
+            # torch's own expression, evaluated in its module
+            make = eval(f"lambda: {default.source}", namespace)  # noqa: S307
+            if default.kind == "flag":
+                shared[moved[name]] = default.value
+            elif default.kind == "own":
+                factories[moved[name]] = make
+            else:  # the module's object where it equals a fresh default (nothing set yet), so it stays shared
+                current, fresh = namespace[name], make()
+                shared[moved[name]] = namespace[f"{name}_default"] = current if current == fresh else fresh
+        holder = _per_thread_class(self.holder, shared, factories)()
         for name, attr in moved.items():
-            if attr in factories or namespace[name] != flags[attr]:
+            if attr in factories or namespace[name] is not shared[attr]:
                 setattr(holder, attr, namespace[name])
         namespace[self.holder] = holder
         _MovedGlobals.of(module).add({name: (holder, attr) for name, attr in moved.items()})
@@ -333,6 +350,7 @@ class ThreadLocalGlobals(SourcePatch):
         # The calling thread's values become the shared globals again.
         for name, attr in self._moved.items():
             namespace[name] = getattr(holder, attr)
+            namespace.pop(f"{name}_default", None)
         _MovedGlobals.of(module).remove(self._moved)
         self._moved = {}
 
