@@ -325,12 +325,14 @@ class ThreadLocalGlobals(SourcePatch):
         defaults = _module_level_defaults(source, set(moved))
         shared, factories = {}, {}
         for name, default in defaults.items():
-            # torch's own expression, evaluated in its module
-            make = eval(f"lambda: {default.source}", namespace)  # noqa: S307
             if default.kind == "flag":
                 shared[moved[name]] = default.value
-            elif default.kind == "own":
+                continue
+            make = eval(f"lambda: {default.source}", namespace)  # noqa: S307 (torch's own expression, in its module)
+            if default.kind == "own":
                 factories[moved[name]] = make
+            elif f"{name}_default" in namespace:
+                raise ShapeError(f"{module.__name__}: already has a {name}_default")
             else:  # the module's object where it equals a fresh default (nothing set yet), so it stays shared
                 current, fresh = namespace[name], make()
                 shared[moved[name]] = namespace[f"{name}_default"] = current if current == fresh else fresh
