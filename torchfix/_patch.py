@@ -254,6 +254,19 @@ def _per_thread_class(holder: str, defaults: dict[str, object], factories: dict[
     return type(holder, (), {"__slots__": ("_local", "_lock", "overridden"), "__init__": __init__, **namespace})
 
 
+def moved_global_probe(module: str, holder: str, name: str, absent: str) -> Callable[[], str | None]:
+    """The probe of a fix that moves ``module``'s global ``name`` to ``holder``: "not needed" where the holder is
+    there (the fix is in) or the global is not (``absent`` says why); None (needed) otherwise."""
+
+    def probe() -> str | None:
+        namespace = vars(importlib.import_module(module))
+        if holder in namespace:
+            return f"{module}.{name} is per thread already"
+        return None if name in namespace else absent
+
+    return probe
+
+
 class ThreadLocalGlobals(SourcePatch):
     """Make module globals per-thread: ``module.NAME`` becomes ``module.HOLDER.ATTR``.
 

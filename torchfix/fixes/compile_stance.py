@@ -19,31 +19,20 @@ that thread's stance (the default), not the stance of the thread whose backward 
 
 from __future__ import annotations
 
-import importlib
-
 from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
-from .._patch import ThreadLocalGlobals
+from .._patch import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch._dynamo.eval_frame"
 HOLDER = "_stance_tls"
-
-
-def _probe() -> str | None:
-    module = importlib.import_module(MODULE)
-    if HOLDER in vars(module):
-        return "the compile stance is per thread already"
-    if "_stance" not in vars(module):
-        return "this torch has no torch.compiler.set_stance (2.6+)"
-    return None
 
 
 FIX = Fix(
     name="compile-stance",
     hazard="one thread's torch.compiler.set_stance('force_eager') makes every thread's compiled calls run eagerly",
     versions=SpecifierSet(">=2.6,<2.16", prereleases=True),
-    probe=_probe,
+    probe=moved_global_probe(MODULE, HOLDER, "_stance", "this torch has no torch.compiler.set_stance (2.6+)"),
     patches=lambda _torch_version: [
         ThreadLocalGlobals(MODULE, "torch/_dynamo/eval_frame.py", HOLDER, {"_stance": "stance"})
     ],

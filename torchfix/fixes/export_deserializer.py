@@ -16,31 +16,22 @@ still cannot nest two deserializations (torch's check stays, per thread).
 
 from __future__ import annotations
 
-import importlib
-
 from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
-from .._patch import ThreadLocalGlobals
+from .._patch import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch._export.serde.serialize"
 HOLDER = "_deserializer_tls"
-
-
-def _probe() -> str | None:
-    module = importlib.import_module(MODULE)
-    if HOLDER in vars(module):
-        return "the export deserializer is per thread already"
-    if "_CURRENT_DESERIALIZER" not in vars(module):
-        return f"{MODULE} has no global _CURRENT_DESERIALIZER (before torch 2.3)"
-    return None
 
 
 FIX = Fix(
     name="export-deserializer",
     hazard="torch.export.load in two threads at once raises AssertionError: _CURRENT_DESERIALIZER is already set",
     versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
-    probe=_probe,
+    probe=moved_global_probe(
+        MODULE, HOLDER, "_CURRENT_DESERIALIZER", f"{MODULE} has no global _CURRENT_DESERIALIZER (before torch 2.3)"
+    ),
     patches=lambda _torch_version: [
         ThreadLocalGlobals(
             MODULE, "torch/_export/serde/serialize.py", HOLDER, {"_CURRENT_DESERIALIZER": "deserializer"}

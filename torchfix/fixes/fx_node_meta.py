@@ -22,12 +22,10 @@ the global).
 
 from __future__ import annotations
 
-import importlib
-
 from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
-from .._patch import ThreadLocalGlobals
+from .._patch import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch.fx.traceback"
 HOLDER = "_node_meta_tls"
@@ -39,21 +37,12 @@ GLOBALS = {
 }
 
 
-def _probe() -> str | None:
-    module = importlib.import_module(MODULE)
-    if HOLDER in vars(module):
-        return "the FX node metadata is per thread already"
-    if not isinstance(vars(module).get("current_meta"), dict):
-        return f"{MODULE} has no global current_meta dict (changed upstream)"
-    return None
-
-
 FIX = Fix(
     name="fx-node-meta",
     hazard="while one thread traces with node metadata (preserve_node_meta, set_current_meta), other threads' "
     "FX graphs get its stack traces and metadata",
     versions=SpecifierSet(">=2.0,<2.16", prereleases=True),
-    probe=_probe,
+    probe=moved_global_probe(MODULE, HOLDER, "current_meta", f"{MODULE} has no global current_meta (changed upstream)"),
     patches=lambda _torch_version: [
         ThreadLocalGlobals(
             MODULE,
