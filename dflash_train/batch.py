@@ -24,6 +24,9 @@ class StepBatch:
     # *average* of the replicas' gradients is the gradient of the step's weighted mean loss, however
     # unevenly the valid blocks fall across shards.
     loss_norm: float
+    # Labels with a weight above 0, counted on the host where the batch is made: counted on the device, each
+    # drafter step would wait for the GPU to read the number.
+    supervised: int
     features: torch.Tensor | None = None  # [B, S, k * D], filled in by a target worker
 
     def split(self, n: int) -> list[StepBatch]:
@@ -31,7 +34,12 @@ class StepBatch:
         fields = ("input_ids", "anchors", "keep", "labels", "weights", "features")
         parts = {f: getattr(self, f).chunk(n) if getattr(self, f) is not None else [None] * n for f in fields}
         return [
-            dataclasses.replace(self, loss_norm=self.loss_norm / n, **{f: parts[f][i] for f in fields})
+            dataclasses.replace(
+                self,
+                loss_norm=self.loss_norm / n,
+                supervised=int((parts["weights"][i] > 0).sum()),
+                **{f: parts[f][i] for f in fields},
+            )
             for i in range(n)
         ]
 
@@ -60,4 +68,5 @@ def make_step_batch(
     input_ids = batch_for_step(tokens, step, batch_size, seq_len, seed)
     anchors, keep = sample_anchors(batch_size, seq_len, num_anchors, step_generator(seed, step, stream=1))
     labels, weights = block_targets(input_ids, anchors, keep, block_size, gamma)
-    return StepBatch(step, input_ids, anchors, keep, labels, weights, loss_norm=float(weights.sum()))
+    norm, supervised = float(weights.sum()), int((weights > 0).sum())
+    return StepBatch(step, input_ids, anchors, keep, labels, weights, loss_norm=norm, supervised=supervised)

@@ -6,7 +6,8 @@ has one code path. Under torchrun, each rank:
 * trains its shard of every step's batch with its own target and drafter threads;
 * averages gradients across ranks inside the drafter threads' barrier action
   (``workers.GradientAverager``): the rank-local mean gradients, flattened into one buffer together
-  with the step's loss, accuracy and stop flag, take ONE all-reduce per step. Exactly one thread per
+  with the step's loss and accuracy figures, take ONE all-reduce per step; the stop flag takes a
+  one-number all-reduce on the host (``any_``), so that no rank waits for its GPU to decide. Exactly one thread per
   rank issues collectives at any time (the main thread outside training, the barrier action inside),
   in the same order on every rank.
 
@@ -50,6 +51,9 @@ class Collectives:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         # The steps' collectives fail after ``timeout_s``; waits for one-off work use this group.
         self._patient = dist.new_group(backend="gloo", timeout=ONE_OFF_WORK_TIMEOUT)
+        # Host-side decisions of a step (stop or go) are taken over gloo, on CPU tensors: over NCCL, reading
+        # the answer would wait for the GPU to finish all the work queued before it.
+        self._host = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def mean_(self, buffer: torch.Tensor) -> None:
         """Replace ``buffer`` by its mean over the ranks."""
@@ -59,6 +63,14 @@ class Collectives:
         with torch.cuda.device(buffer.device) if buffer.is_cuda else contextlib.nullcontext():
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
         buffer.div_(self.ranks.world_size)
+
+    def any_(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (the same answer on every rank)."""
+        if not self.active:
+            return flag
+        value = torch.tensor([float(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._host)
+        return bool(value.item())
 
     def broadcast_(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite ``tensors`` with rank 0's values (one flat broadcast)."""

@@ -172,29 +172,65 @@ def target_worker(
 
 
 class GradientAverager:
-    """Replaces every replica's gradients with their mean, in place and bit-identical everywhere.
+    """Replaces every replica's gradients with their mean, clipped, in place and bit-identical everywhere.
 
-    The one place data parallelism happens. Under torchrun, the rank-local mean gradients and the
-    step's statistics are flattened into one buffer and averaged across the ranks by one all-reduce."""
+    The one place data parallelism happens. The mean is summed into replica 0's gradients by multi-tensor
+    (``_foreach``) ops, a few kernel launches however many parameters, because this runs in one thread while
+    the others wait at the barrier; it is clipped there once (every replica would compute the same norm)
+    and copied to the other replicas. Under torchrun, the rank-local mean gradients and the step's figures
+    are flattened into one buffer and averaged across the ranks by one all-reduce."""
 
-    def __init__(self, replicas: list[Drafter], collectives: Collectives):
-        self.groups = list(zip(*(list(r.parameters()) for r in replicas)))
+    def __init__(self, replicas: list[Drafter], collectives: Collectives, grad_clip: float):
+        self.params = [list(r.parameters()) for r in replicas]
         self.collectives = collectives
+        self.grad_clip = grad_clip
 
     @torch.no_grad()
-    def __call__(self, stats: torch.Tensor) -> torch.Tensor:
-        """Average the gradients; return ``stats`` (this rank's figures) averaged over the ranks."""
-        groups = [params for params in self.groups if params[0].grad is not None]
-        means = [torch.stack([p.grad.to(params[0].grad.device) for p in params]).mean(0) for params in groups]
+    def __call__(self, figures: torch.Tensor) -> torch.Tensor:
+        """Average the gradients; return ``figures`` (this rank's, on the device) averaged over the ranks."""
+        present = [i for i, p in enumerate(self.params[0]) if p.grad is not None]
+        mean, *others = [[params[i].grad for i in present] for params in self.params]
+        device = mean[0].device
+        for grads in others:
+            torch._foreach_add_(mean, [g.to(device) for g in grads])
+        torch._foreach_div_(mean, len(self.params))
         if self.collectives.active:
-            flat = torch.cat([*(m.flatten() for m in means), stats.to(means[0])])
+            flat = torch.cat([*(g.flatten() for g in mean), figures.to(mean[0])])
             self.collectives.mean_(flat)
-            *parts, stats = flat.split([*(m.numel() for m in means), stats.numel()])
-            means = [part.view_as(m) for part, m in zip(parts, means)]
-        for params, mean in zip(groups, means):
-            for p in params:
-                p.grad.copy_(mean)
-        return stats
+            *parts, figures = flat.split([*(g.numel() for g in mean), figures.numel()])
+            torch._foreach_copy_(mean, [part.view_as(g) for part, g in zip(parts, mean)])
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([self.params[0][i] for i in present], self.grad_clip)
+        for grads in others:
+            torch._foreach_copy_(grads, [m.to(g.device) for m, g in zip(mean, grads)])
+        return figures
+
+
+class StepFigures:
+    """One step's loss and accuracy, as the barrier left them on the device, read when someone asks.
+
+    Reading them waits for that step's figures on the GPU (an event), not for the work the threads have
+    queued since: a drafter thread that read them at the barrier would wait for the whole GPU queue of every
+    thread, each step."""
+
+    def __init__(self, figures: torch.Tensor, replicas: int):
+        self.replicas = replicas
+        self._ready: torch.cuda.Event | None = None
+        if figures.is_cuda:
+            with torch.cuda.device(figures.device):
+                self._host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=True)
+                self._host.copy_(figures, non_blocking=True)
+                self._ready = torch.cuda.Event()
+                self._ready.record()
+        else:
+            self._host = figures
+
+    def read(self) -> dict[str, float]:
+        """``loss`` (the step's mean loss) and ``acc`` (top-1 accuracy over the supervised labels)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        loss_sum, correct, supervised = self._host.tolist()
+        return {"loss": loss_sum / self.replicas, "acc": correct / max(1.0, supervised)}
 
 
 class StepSync:
@@ -202,12 +238,13 @@ class StepSync:
     gradients (across ranks too) and takes the step's stop decision, so every replica of every rank
     leaves after the same step."""
 
-    def __init__(self, replicas: list[Drafter], job: Job, collectives: Collectives):
+    def __init__(self, replicas: list[Drafter], job: Job, collectives: Collectives, grad_clip: float):
         self.job = job
         self.size = len(replicas)
-        self.average = GradientAverager(replicas, collectives)
-        self._stats: list[tuple[torch.Tensor, torch.Tensor, int]] = [None] * self.size  # type: ignore[list-item]
-        self.report: dict[str, float] = {}
+        self.collectives = collectives
+        self.average = GradientAverager(replicas, collectives, grad_clip)
+        self._figures: list[torch.Tensor] = [None] * self.size  # type: ignore[list-item]
+        self.figures: StepFigures | None = None  # the last step's
         self.stop = False
         self.barrier = threading.Barrier(self.size, action=self._at_barrier)
         job.on_shutdown(self.barrier.abort)
@@ -215,28 +252,22 @@ class StepSync:
     def _at_barrier(self) -> None:
         # Each replica's loss is already scaled so that the mean over replicas is the step loss. The
         # counts are averaged over ranks too, which leaves their ratio (the accuracy) as it is.
-        local = torch.tensor(
-            [
-                sum(float(loss) for loss, _, _ in self._stats) / self.size,
-                sum(int(c) for _, c, _ in self._stats),
-                sum(n for _, _, n in self._stats),
-                float(self.job.stop_requested.is_set()),  # Ctrl-C on any rank stops every rank
-            ],
-            dtype=torch.float64,
-        )
         try:
-            loss, correct, labels, stop = self.average(local).tolist()
+            device = self._figures[0].device
+            summed = torch.stack([f.to(device) for f in self._figures]).sum(0)
+            self.figures = StepFigures(self.average(summed), self.size)
+            self.stop = self.collectives.any_(self.job.stop_requested.is_set())  # Ctrl-C on any rank stops all
         except BaseException:
             # A failed collective (another rank died): report it before the other threads see a
             # broken barrier and report that instead.
             self.job.fail(threading.current_thread().name)
             raise
-        self.report = {"loss": loss, "acc": correct / max(1, labels)}
-        self.stop = stop > 0
 
-    def wait(self, index: int, loss: torch.Tensor, correct: torch.Tensor, labels: int) -> None:
-        # Eager tensors (the loss is computed outside the compiled layers), read as numbers at the barrier.
-        self._stats[index] = (loss.detach(), correct, labels)
+    def wait(self, index: int, loss: torch.Tensor, correct: torch.Tensor, supervised: int) -> None:
+        # Kept on the device (``new_full`` fills there: ``new_tensor`` would copy from the host and wait for the
+        # GPU): [loss, correct predictions, supervised labels] of this replica.
+        count = loss.new_full((), supervised, dtype=torch.float32)
+        self._figures[index] = torch.stack([loss.detach().float(), correct.float(), count])
         self.barrier.wait()
 
 
@@ -250,7 +281,6 @@ def drafter_worker(
     steps: range,
     *,
     lr_at: Callable[[int], float],
-    grad_clip: float,
     flex: bool,
     chunk_blocks: int,
     fault: str,
@@ -277,9 +307,7 @@ def drafter_worker(
             torch.compiler.cudagraph_mark_step_begin()
         loss, correct = replica.training_loss(batch, flex=flex, chunk_blocks=chunk_blocks)
         loss.backward()
-        sync.wait(index, loss, correct, int((batch.weights > 0).sum()))
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(replica.parameters(), grad_clip)
+        sync.wait(index, loss, correct, batch.supervised)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         optimizer.step()
@@ -291,7 +319,7 @@ def drafter_worker(
             job.events.put({"type": "first_step", "thread": threading.current_thread().name, "seconds": seconds})
         last = sync.stop or step == steps[-1]
         if index == 0:
-            job.events.put({"type": "train", "step": step + 1, **sync.report, "lr": lr_at(step)})
+            job.events.put({"type": "train", "step": step + 1, "figures": sync.figures, "lr": lr_at(step)})
             if after_step is not None:
                 after_step(step + 1, last)
         if last:
