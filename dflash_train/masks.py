@@ -104,36 +104,42 @@ _BLOCK_MASK_TENSORS = (
 )
 
 
-class PinnedMask:
-    """The anchor block mask rebuilt every step into the same tensors, for layers that replay CUDA graphs.
+class StaticInputs:
+    """What a replica's CUDA-graphed training step reads, at the same addresses every step.
 
-    A CUDA graph tree takes every tensor a compiled backward was saved as a fixed address. The q half of
-    a BlockMask is used by flex attention's backward only, so it reaches the backward graph as the
-    caller's own tensor, not a copy made by the forward graph: a fresh mask per step made the tree
-    re-record the backward at every step (measured on an H200, torch 2.11: 2 recordings per step, its
-    tree growing until ``cudagraph_unexpected_rerecord_limit``). Here the anchors, the ``keep`` flags and
-    the mask's tensors are allocated once per shape and overwritten in place.
+    A CUDA graph tree takes every tensor saved for a compiled backward as a fixed address. A step's own
+    inputs that the backward needs (the target's features for ``fc``'s gradient, the labels and weights of
+    the loss, the q half of the block mask, which only flex attention's backward reads) reach the backward
+    graph as the caller's tensors, not as copies the forward graph made; new tensors every step made the
+    tree re-record the backward at every step (measured on an H200, torch 2.11: 2 recordings per step, the
+    tree growing until ``cudagraph_unexpected_rerecord_limit``). Here each input is copied into a tensor
+    allocated once per name and shape, and the block mask is rebuilt into the same tensors.
     """
 
     def __init__(self) -> None:
-        self._shape: tuple | None = None  # what the pinned tensors were made for
-        self._anchors = self._keep = torch.empty(0)
+        self._tensors: dict[str, torch.Tensor] = {}
         self._mask: BlockMask | None = None
+        self._mask_shape: tuple | None = None  # what the static mask was built for
 
-    def build(self, anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> BlockMask:
-        """The mask for this step, in the tensors of the last step's when the shapes are the same."""
+    def tensor(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``value``'s contents in the static tensor ``name`` (a new one when the shape, dtype or device differ)."""
+        mine = self._tensors.get(name)
+        if mine is None or (mine.shape, mine.dtype, mine.device) != (value.shape, value.dtype, value.device):
+            mine = self._tensors[name] = value.clone(memory_format=torch.contiguous_format)
+            return mine
+        return mine.copy_(value)
+
+    def mask(self, anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> BlockMask:
+        """The step's anchor block mask, in the tensors of the last step's when the shapes are the same."""
+        anchors, keep = self.tensor("mask.anchors", anchors), self.tensor("mask.keep", keep)
+        # Evaluated over the static anchors, so the static mask's mask_mod (which reads them) agrees.
+        fresh = build_mask(anchors, keep, ctx_len, block_size, flex=True)
         shape = (tuple(anchors.shape), anchors.device, ctx_len, block_size)
-        if shape != self._shape or self._mask is None:
-            self._anchors, self._keep = anchors.clone(), keep.clone()
-            self._mask = build_mask(self._anchors, self._keep, ctx_len, block_size, flex=True)
-            self._shape = shape
-            return self._mask
-        self._anchors.copy_(anchors)
-        self._keep.copy_(keep)
-        # Evaluated over the pinned anchors, so the pinned mask's mask_mod (which reads them) agrees.
-        fresh = build_mask(self._anchors, self._keep, ctx_len, block_size, flex=True)
-        for name in _BLOCK_MASK_TENSORS:
-            mine = getattr(self._mask, name)
-            if mine is not None:
-                mine.copy_(getattr(fresh, name))
+        if shape != self._mask_shape or self._mask is None:
+            self._mask, self._mask_shape = fresh, shape
+        else:
+            for name in _BLOCK_MASK_TENSORS:
+                mine = getattr(self._mask, name)
+                if mine is not None:
+                    mine.copy_(getattr(fresh, name))
         return self._mask

@@ -22,7 +22,7 @@ from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from .loss import chunked_loss
-from .masks import PinnedMask, build_mask
+from .masks import StaticInputs, build_mask
 
 if TYPE_CHECKING:
     from .batch import StepBatch
@@ -119,10 +119,12 @@ class Drafter(nn.Module):
         # Frozen and shared with the target (and every replica on the same device): kept in a tuple so
         # they are not registered, hence not in parameters(), state_dict() or the optimizer.
         self.frozen = (embed, lm_head)
-        # What training calls per layer, gradient checkpointing included: see compile_layers.
+        # What training calls per layer, gradient checkpointing included, and for the whole step's loss: see
+        # compile_training.
         self.train_layer_fns: list[Callable[..., torch.Tensor]] = [checkpointed(layer) for layer in self.layers]
-        # Set when the layers replay CUDA graphs, which need the mask at the same addresses every step.
-        self.pinned_mask: PinnedMask | None = None
+        self.compute_loss: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.loss_terms
+        # Set when the step replays CUDA graphs, which read their inputs at the same addresses every step.
+        self.static_inputs: StaticInputs | None = None
         self._init_weights(cfg.initializer_range)
 
     def _init_weights(self, std: float) -> None:
@@ -130,24 +132,24 @@ class Drafter(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
 
-    def compile_layers(self, backend: str, mode: str | None = None) -> None:
-        """Compile each decoder layer's training call. Evaluation keeps the eager layers: its shapes change
-        at every step.
+    def compile_training(self, backend: str, mode: str | None = None) -> None:
+        """Compile what a training step runs. Evaluation keeps the eager layers: its shapes change at every step.
 
-        ``mode`` None (the CPU path: dense mask + SDPA in the graph): the compiled layer runs under the
-        checkpoint, as the eager one does. A ``mode`` (``--compile-mode``, the CUDA path: flex attention in
-        the graph) puts the checkpoint inside the compiled function instead. Outside, the backward would
-        recompute the compiled forward (replay its CUDA graph) on autograd's device thread, which CUDA graph
-        trees handle badly; traced by Dynamo, the recompute is part of the compiled backward. With
-        ``reduce-overhead`` the block mask is rebuilt in place each step (``PinnedMask``)."""
+        ``mode`` None (the CPU path: dense mask + SDPA in the graph): each layer, under the checkpoint, as the
+        eager one runs. A ``mode`` (``--compile-mode``, the CUDA path: flex attention in the graph): the whole
+        loss of the step (``loss_terms``: block inputs, ``fc``, every layer with its checkpoint, the chunked
+        loss), so that a step is one forward and one backward graph, CUDA graphs with ``reduce-overhead``, not
+        dozens of small eager kernels launched under the GIL between them. Traced by Dynamo, the
+        checkpoints' recompute is part of the compiled backward (outside, the backward would replay the
+        compiled forward on autograd's device thread, which CUDA graph trees handle badly). With
+        ``reduce-overhead`` the step's inputs are copied into static tensors (``StaticInputs``)."""
         if mode is None:
             self.train_layer_fns = [checkpointed(torch.compile(layer, backend=backend)) for layer in self.layers]
-        else:
-            self.train_layer_fns = [
-                torch.compile(checkpointed(layer), backend=backend, mode=mode) for layer in self.layers
-            ]
-            if mode == "reduce-overhead":
-                self.pinned_mask = PinnedMask()
+            return
+        self.train_layer_fns = [checkpointed(layer) for layer in self.layers]
+        self.compute_loss = torch.compile(self.loss_terms, backend=backend, mode=mode)
+        if mode == "reduce-overhead":
+            self.static_inputs = StaticInputs()
 
     @property
     def embed(self) -> nn.Module:
@@ -197,16 +199,39 @@ class Drafter(nn.Module):
         """This replica's share of the step loss (weighted CE sum / ``batch.loss_norm``) and its count
         of correct top-1 predictions, under the anchor block mask (flex ``BlockMask`` or dense)."""
         ctx_len = batch.input_ids.shape[1]
-        if flex and self.pinned_mask is not None:
-            mask = self.pinned_mask.build(batch.anchors, batch.keep, ctx_len, self.block_size)
+        inputs = {
+            "features": batch.features,
+            "input_ids": batch.input_ids,
+            "anchors": batch.anchors,
+            "keep": batch.keep,
+            "labels": batch.labels,
+            "weights": batch.weights,
+        }
+        if flex and self.static_inputs is not None:
+            mask = self.static_inputs.mask(batch.anchors, batch.keep, ctx_len, self.block_size)
+            inputs = {name: self.static_inputs.tensor(name, value) for name, value in inputs.items()}
         else:
             mask = build_mask(batch.anchors, batch.keep, ctx_len, self.block_size, flex=flex)
-        anchor_tokens = torch.gather(batch.input_ids, 1, batch.anchors)
-        block_ids, position_ids = self.block_inputs(anchor_tokens, batch.anchors, batch.keep, ctx_len)
-        with autocast(batch.input_ids.device):
-            hidden = self(batch.features, block_ids, position_ids, mask)
-            total, correct = chunked_loss(hidden, self.lm_head, batch.labels, batch.weights, chunk_blocks)
+        total, correct = self.compute_loss(**inputs, mask=mask, chunk_blocks=chunk_blocks)
         return total / batch.loss_norm, correct
+
+    def loss_terms(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        keep: torch.Tensor,
+        labels: torch.Tensor,
+        weights: torch.Tensor,
+        mask: torch.Tensor | BlockMask,
+        chunk_blocks: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weighted CE sum and the correct top-1 count of a training forward (see ``training_loss``)."""
+        anchor_tokens = torch.gather(input_ids, 1, anchors)
+        block_ids, position_ids = self.block_inputs(anchor_tokens, anchors, keep, input_ids.shape[1])
+        with autocast(input_ids.device):
+            hidden = self(features, block_ids, position_ids, mask)
+            return chunked_loss(hidden, self.lm_head, labels, weights, chunk_blocks)
 
     @torch.no_grad()
     def draft(self, features: torch.Tensor, anchor_token: int) -> list[int]:

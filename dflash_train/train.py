@@ -127,9 +127,9 @@ def compile_replica(replica: Drafter, device: torch.device, cfg: TrainConfig) ->
     if not cfg.compile:
         return
     if device.type == "cpu":
-        replica.compile_layers(cfg.backend)
+        replica.compile_training(cfg.backend)
     elif cfg.compile_mode != "default":
-        replica.compile_layers("inductor", mode=cfg.compile_mode)
+        replica.compile_training("inductor", mode=cfg.compile_mode)
 
 
 def uses_cudagraphs(cfg: TrainConfig, device: torch.device) -> bool:

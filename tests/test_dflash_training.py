@@ -145,7 +145,7 @@ def cudagraph_code_on_cpu(monkeypatch) -> list[str]:
     def compile_replica(replica, device, cfg):
         if cfg.compile_mode == "default":
             return real_compile_replica(replica, device, cfg)
-        replica.compile_layers("eager", cfg.compile_mode)
+        replica.compile_training("eager", cfg.compile_mode)
 
     monkeypatch.setattr(config_module, "check_compile_mode", lambda cfg: None)
     monkeypatch.setattr(train_module, "compile_replica", compile_replica)
@@ -195,7 +195,7 @@ def test_a_failure_inside_the_compiled_layer_stops_the_job(tiny, cudagraph_code_
 
     def compile_failing(replica, device, cfg):
         replica.layers[-1] = Failing(replica.layers[-1])
-        replica.compile_layers("eager", cfg.compile_mode)
+        replica.compile_training("eager", cfg.compile_mode)
 
     monkeypatch.setattr(train_module, "compile_replica", compile_failing)
     cfg = dataclasses.replace(tiny, steps=20, compile=True, compile_mode="reduce-overhead")

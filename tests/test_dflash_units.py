@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from dflash_train.data import ByteTokenizer
 from dflash_train.evaluate import speculative_generate
 from dflash_train.loss import block_targets, chunked_loss, position_weights
-from dflash_train.masks import PinnedMask, anchor_block_mask_mod, build_mask, dense_mask, sample_anchors
+from dflash_train.masks import StaticInputs, anchor_block_mask_mod, build_mask, dense_mask, sample_anchors
 from dflash_train.model import drafter_config, make_replicas
 from dflash_train.target import TINY_QWEN3, Target, tap_layer_ids
 
@@ -80,9 +80,9 @@ def test_flex_block_mask_equals_dense_mask(layout):
     assert flex[1, :, 2 * block_size :].abs().max() == 0
 
 
-def test_pinned_mask_rebuilds_into_the_same_tensors(monkeypatch):
-    """Layers that replay CUDA graphs get each step's mask in the first step's tensors (a CUDA graph
-    tree re-records a backward whose saved mask moved), with the values of a freshly built mask."""
+def test_static_inputs_rebuild_the_mask_and_copy_tensors_into_the_same_tensors(monkeypatch):
+    """A step that replays CUDA graphs gets each step's mask and inputs in the first step's tensors (a CUDA
+    graph tree re-records a backward whose saved inputs moved), with the values of this step's."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from dflash_train import masks
@@ -90,12 +90,12 @@ def test_pinned_mask_rebuilds_into_the_same_tensors(monkeypatch):
     # Eager: Inductor's CPU code for create_block_mask does not compile in every release.
     monkeypatch.setattr(masks, "compiled_create_block_mask", create_block_mask)
     generator = torch.Generator().manual_seed(0)
-    pinned, ctx_len, block_size = PinnedMask(), 40, 4
-    first = pinned.build(*sample_anchors(2, ctx_len, 3, generator), ctx_len, block_size)
+    static, ctx_len, block_size = StaticInputs(), 40, 4
+    first = static.mask(*sample_anchors(2, ctx_len, 3, generator), ctx_len, block_size)
     tensors = {name: getattr(first, name) for name in masks._BLOCK_MASK_TENSORS}
     anchors, keep = sample_anchors(2, ctx_len, 3, generator)
     keep[0, -1] = False
-    second = pinned.build(anchors, keep, ctx_len, block_size)
+    second = static.mask(anchors, keep, ctx_len, block_size)
     assert second is first and all(getattr(second, name) is t for name, t in tensors.items())
     fresh = build_mask(anchors, keep, ctx_len, block_size, flex=True)
     for name, tensor in tensors.items():
@@ -104,8 +104,15 @@ def test_pinned_mask_rebuilds_into_the_same_tensors(monkeypatch):
         )
     assert second.to_dense().equal(fresh.to_dense())
     # Another shape: new tensors.
-    third = pinned.build(*sample_anchors(2, ctx_len, 5, generator), ctx_len, block_size)
+    third = static.mask(*sample_anchors(2, ctx_len, 5, generator), ctx_len, block_size)
     assert third.shape != first.shape and third.kv_indices is not first.kv_indices
+    # Plain tensors: the same tensor, this step's values; a new one for another shape or dtype.
+    a = static.tensor("x", torch.arange(6.0).view(2, 3).t())  # not contiguous: kept contiguous
+    assert a.is_contiguous() and a.equal(torch.arange(6.0).view(2, 3).t())
+    b = static.tensor("x", torch.ones(3, 2))
+    assert b is a and b.equal(torch.ones(3, 2))
+    assert static.tensor("x", torch.ones(3, 2, dtype=torch.float64)) is not a
+    assert static.tensor("x", torch.ones(4, 2)).shape == (4, 2)
 
 
 def test_anchor_sampling():
@@ -251,17 +258,17 @@ def test_default_compile_mode_builds_todays_functions(replica, compile_calls):
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
-def test_compile_mode_compiles_each_layers_training_call_with_the_checkpoint_inside(replica, compile_calls, mode):
+def test_compile_mode_compiles_the_whole_step_loss_with_the_checkpoints_inside(replica, compile_calls, mode):
     from dflash_train.config import TrainConfig
     from dflash_train.train import compile_replica
 
     cfg = dataclasses.replace(TrainConfig(), drafter_devices="cuda:0", compile_mode=mode).resolved()
     compile_replica(replica, torch.device("cuda", 0), cfg)
-    assert [kwargs for _, kwargs in compile_calls] == [{"backend": "inductor", "mode": mode}] * 2
-    assert [fn.checkpointed for fn, _ in compile_calls] == list(replica.layers)
-    assert [fn._torchdynamo_orig_callable for fn in replica.train_layer_fns] == [fn for fn, _ in compile_calls]
-    # CUDA graphs take the mask at fixed addresses: the replica rebuilds it in place.
-    assert (replica.pinned_mask is not None) == (mode == "reduce-overhead")
+    assert compile_calls == [(replica.loss_terms, {"backend": "inductor", "mode": mode})]
+    assert replica.compute_loss._torchdynamo_orig_callable == replica.loss_terms
+    assert [fn.checkpointed for fn in replica.train_layer_fns] == list(replica.layers)  # traced inside, eager
+    # CUDA graphs read their inputs at fixed addresses: the replica copies them into static tensors.
+    assert (replica.static_inputs is not None) == (mode == "reduce-overhead")
 
 
 def _step(drafter, batch, flex):
@@ -273,9 +280,10 @@ def _step(drafter, batch, flex):
 # The flex case (flex attention on CPU with its device check switched off) failed inside Inductor when run
 # after the rest of the suite, and patched a torch internal: the CUDA runs cover flex attention instead.
 @pytest.mark.parametrize("flex", [False], ids=["dense"])
-def test_layers_compiled_with_the_checkpoint_inside_train_as_the_eager_layers(tiny_pair, monkeypatch, flex):
-    """The --compile-mode path (compile_layers with a mode), by a CPU backend: the same loss and gradients as
-    the eager layers, in one graph per layer signature (no graph break). ``flex``: the CUDA path's graph, flex
+def test_the_compiled_step_loss_trains_as_the_eager_one(tiny_pair, monkeypatch, flex):
+    """The --compile-mode path (compile_training with a mode), by a CPU backend (aot_eager: the forward and
+    backward graphs, the checkpoints' recompute in the backward): the same loss and gradients as eager, with
+    no graph break. ``flex``: the CUDA path's graph, flex
     attention on a BlockMask inside the compiled checkpoint, run by aot_eager (CPU flex attention has no backward
     of its own: its device check is switched off, the math runs as on CUDA)."""
     from torch._dynamo.utils import counters
@@ -297,7 +305,7 @@ def test_layers_compiled_with_the_checkpoint_inside_train_as_the_eager_layers(ti
         monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
         monkeypatch.setattr(masks, "compiled_create_block_mask", flex_module.create_block_mask)  # no C++ compile
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    compiled.compile_layers("aot_eager" if flex else "eager", mode="reduce-overhead")
+    compiled.compile_training("aot_eager", mode="reduce-overhead")
     loss, correct, grads = _step(compiled.train(), batch, flex=flex)
     assert counters["stats"]["unique_graphs"] > graphs and sum(counters["graph_break"].values()) == breaks
     assert (loss, correct) == pytest.approx(want[:2], rel=1e-6)
