@@ -17,25 +17,28 @@ import tempfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "cuda_graph_threads.py"
-# (label, TORCHFIX_DISABLE, mark-step each step)
+# (label, TORCHFIX_DISABLE, mark-step each step, generations of threads)
 CONFIGS = [
-    ("torchfix", "", False),
-    ("torchfix, mark-step", "", True),
-    ("without cudagraph-thread-trees", "cudagraph-thread-trees", False),
-    ("without cudagraph-tree-callable", "cudagraph-tree-callable", False),
-    ("without cudagraph-step-counters, mark-step", "cudagraph-step-counters", True),
-    ("without cudagraph-step-counters", "cudagraph-step-counters", False),
-    ("without torchfix", "1", False),
+    ("torchfix", "", False, 1),
+    ("torchfix, mark-step", "", True, 1),
+    ("without cudagraph-thread-trees", "cudagraph-thread-trees", False, 1),
+    ("without cudagraph-tree-callable", "cudagraph-tree-callable", False, 1),
+    ("without cudagraph-step-counters, mark-step", "cudagraph-step-counters", True, 1),
+    ("without cudagraph-step-counters", "cudagraph-step-counters", False, 1),
+    ("without torchfix", "1", False, 1),
+    # Threads that end: 20 rounds of 3 threads, 8 steps each.
+    ("torchfix, threads ending (20 x 8 steps), mark-step", "", True, 20),
 ]
 
 
-def one(disable: str, mark_step: bool, steps: int, timeout: float) -> dict:
+def one(disable: str, mark_step: bool, steps: int, generations: int, timeout: float) -> dict:
     caches = tempfile.mkdtemp(prefix="bench-cudagraphs-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
     env.update(TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
     if disable:
         env["TORCHFIX_DISABLE"] = disable
-    command = [sys.executable, str(SCRIPT), "--steps", str(steps), "--timeout", str(timeout)]
+    command = [sys.executable, str(SCRIPT), "--steps", str(steps), "--generations", str(generations)]
+    command += ["--timeout", str(timeout)]
     command += ["--mark-step"] if mark_step else []
     try:
         proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout + 60)
@@ -53,7 +56,8 @@ def one(disable: str, mark_step: bool, steps: int, timeout: float) -> dict:
             sorted(set(report["errors"].values()))
         )
     else:
-        outcome = f"all threads {steps} steps equal to eager (max diff {max(report['max_diff'].values()):.2g})"
+        worst = max(report["max_diff"].values())
+        outcome = f"all threads {steps * generations} steps equal to eager (max diff {worst:.2g})"
     return {"passed": proc.returncode == 0, "outcome": outcome, "wall_s": report["wall_s"]}
 
 
@@ -66,10 +70,11 @@ def run(quick: bool = False, runs: int = 3, configs: str = "") -> dict[str, obje
     chosen = [CONFIGS[int(i)] for i in configs.split(",")] if configs else CONFIGS
     chosen, runs, steps = (chosen[:1], 1, 5) if quick else (chosen, runs, 40)
     rows = []
-    for label, disable, mark_step in chosen:
+    for label, disable, mark_step, generations in chosen:
         # Without torchfix the threads deadlock (H5): one short run says so.
         timeout = 120.0 if disable == "1" else 240.0
-        results = [one(disable, mark_step, steps, timeout) for _ in range(runs)]
+        per_thread = steps if generations == 1 else 8
+        results = [one(disable, mark_step, per_thread, generations, timeout) for _ in range(runs)]
         rows.append({"config": label, "passed": sum(r["passed"] for r in results), "runs": results})
     return {"torch": str(torch.__version__), "device": torch.cuda.get_device_name(), "steps": steps, "rows": rows}
 

@@ -33,6 +33,9 @@ HAS_H6 = TORCH_VERSION.release >= (2, 12)
 # CUDA graph trees (2.1+): the tree containers exist only in the importing thread before 2.13; the
 # mark-step counter and the generation are process globals in every release so far (H7).
 HAS_H7_TREES = (2, 1) <= TORCH_VERSION.release < (2, 13)
+# A thread's trees stay in torch's C++ thread-local stash past its end in every release with trees (on
+# 2.1 - 2.12 a thread has none of its own without the fix, which the same scenario reports as the hazard).
+HAS_H7_TREES_AT_END = (2, 1) <= TORCH_VERSION.release < (2, 16)
 HAS_H7_COUNTERS = (2, 1) <= TORCH_VERSION.release < (2, 16)
 # torch.fx.traceback's node metadata is process-global in every release so far (upstream #184917).
 HAS_NODE_META = TORCH_VERSION.release < (2, 16)

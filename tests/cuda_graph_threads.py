@@ -1,14 +1,17 @@
 """N threads train their own attention block compiled with ``mode="reduce-overhead"`` (CUDA graphs) on
 one device, every step checked against an eager twin; cold compile caches.
 
-    python tests/cuda_graph_threads.py [--threads 3] [--steps 40] [--mark-step] [--timeout 300]
+    python tests/cuda_graph_threads.py [--threads 3] [--steps 40] [--generations 1] [--mark-step] [--timeout 300]
 
 Each thread trains a compiled block and an eager copy with the same weights, inputs and optimizer, and
 compares the two outputs and weights after every step: a thread whose CUDA graphs were replayed or
 overwritten by another thread's sees them differ, or torch raises ("accessing tensor output of CUDAGraphs
 that has been overwritten by a subsequent run", capture errors). ``--mark-step`` calls
 ``torch.compiler.cudagraph_mark_step_begin()`` before each step, as training loops with CUDA graphs do.
-TORCHFIX_DISABLE turns fixes off (the cudagraph-* ones one at a time to see what each removes). Prints one
+``--generations G``: G rounds of threads, one after the other; each round's threads go on training the same
+blocks for ``--steps`` steps (in CUDA graph trees of their own) and end, as the workers of a job that starts
+threads per phase do. Meanwhile the main thread runs Python (it builds small modules), as a job's main
+thread does. TORCHFIX_DISABLE turns fixes off (the cudagraph-* ones one at a time to see what each removes). Prints one
 JSON line: steps each thread finished, the first error of each, the largest differences from eager, hung
 threads; exit code 0 when every thread finished every step equal to eager.
 """
@@ -29,6 +32,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--generations", type=int, default=1)
     parser.add_argument("--mark-step", action="store_true")
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
@@ -66,22 +70,25 @@ def main() -> int:
     done: dict[str, int] = {}
     errors: dict[str, str] = {}
     worst: dict[str, float] = {}
+    models = []
+    for index in range(args.threads):  # made once: later generations go on training them
+        torch.manual_seed(index)  # each thread its own weights and data: a mix-up shows as a difference
+        eager = Block(flex=False).cuda()
+        compiled_block = Block(flex=True).cuda()
+        compiled_block.load_state_dict(eager.state_dict())
+        # Data from a generator of the thread's own, as from a loader: drawing from the device's default
+        # generator while another thread captures a CUDA graph raises "Offset increment outside graph
+        # capture" (the default generator is in capture mode for every thread; torch, not torchfix).
+        data = torch.Generator(device="cuda").manual_seed(index)
+        models.append((eager, compiled_block, torch.compile(compiled_block, mode="reduce-overhead"), data))
+        done[f"t{index}"], worst[f"t{index}"] = 0, 0.0
 
     def worker(index: int) -> None:
         name = f"t{index}"
-        done[name], worst[name] = 0, 0.0
+        eager, compiled_block, compiled, data = models[index]
         try:
-            torch.manual_seed(index)  # each thread its own weights and data: a mix-up shows as a difference
-            eager = Block(flex=False).cuda()
-            compiled_block = Block(flex=True).cuda()
-            compiled_block.load_state_dict(eager.state_dict())
-            compiled = torch.compile(compiled_block, mode="reduce-overhead")
             opt_eager = torch.optim.SGD(eager.parameters(), lr=0.05)
             opt_compiled = torch.optim.SGD(compiled_block.parameters(), lr=0.05)
-            # Data from a generator of the thread's own, as from a loader: drawing from the device's default
-            # generator while another thread captures a CUDA graph raises "Offset increment outside graph
-            # capture" (the default generator is in capture mode for every thread; torch, not torchfix).
-            data = torch.Generator(device="cuda").manual_seed(index)
             for _ in range(args.steps):
                 if args.mark_step:
                     torch.compiler.cudagraph_mark_step_begin()
@@ -106,19 +113,24 @@ def main() -> int:
             errors[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc) else ''}"
             traceback.print_exc()
 
-    threads = [threading.Thread(target=worker, args=(i,), name=f"t{i}", daemon=True) for i in range(args.threads)]
-    for thread in threads:
-        thread.start()
     deadline = start + args.timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.perf_counter()))
-    hung = [thread.name for thread in threads if thread.is_alive()]
+    hung: list[str] = []
+    for _ in range(args.generations):
+        threads = [threading.Thread(target=worker, args=(i,), name=f"t{i}", daemon=True) for i in range(args.threads)]
+        for thread in threads:
+            thread.start()
+        while any(thread.is_alive() for thread in threads) and time.perf_counter() < deadline:
+            [list(torch.nn.Linear(4, 4).parameters()) for _ in range(20)]  # the main thread's own Python work
+        hung = [thread.name for thread in threads if thread.is_alive()]
+        if hung or errors:
+            break
     if hung:
         faulthandler.dump_traceback(all_threads=True)
     report = {
         "torch": torch.__version__,
         "disabled": os.environ.get("TORCHFIX_DISABLE", ""),
         "mark_step": args.mark_step,
+        "generations": args.generations,
         "steps_done": done,
         "errors": errors,
         "max_diff": {name: float(f"{value:.3g}") for name, value in worst.items()},
@@ -127,7 +139,7 @@ def main() -> int:
         "torchfix": [f"{s.name}: {s.state.value}" for s in sys.modules["torchfix"].status()],
     }
     print(json.dumps(report), flush=True)
-    ok = not hung and not errors and all(n == args.steps for n in done.values())
+    ok = not hung and not errors and all(n == args.steps * args.generations for n in done.values())
     os._exit(0 if ok else 3 if hung else 1)  # threads stuck in a deadlock never finish: do not wait
 
 

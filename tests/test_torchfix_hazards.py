@@ -15,6 +15,7 @@ from conftest import (
     HAS_H6,
     HAS_H7_COUNTERS,
     HAS_H7_TREES,
+    HAS_H7_TREES_AT_END,
     HAS_NODE_META,
     HAS_RECHECK_FIX,
     HAS_STANCE,
@@ -106,6 +107,13 @@ def test_h7_cudagraph_trees_in_a_new_thread(disabled):
     if result is None:
         pytest.skip("this torch has no CUDA graph trees (2.1+)")
     assert result["hazard"] == (disabled and HAS_H7_TREES), result
+
+
+def test_h7_cudagraph_trees_leave_the_stash_when_their_thread_ends(disabled):
+    result = scenario("_selftest.h7_cudagraph_trees_at_thread_end()", disabled, fix="cudagraph-thread-trees")
+    if result is None:
+        pytest.skip("this torch has no CUDA graph trees (2.1+)")
+    assert result["hazard"] == (disabled and HAS_H7_TREES_AT_END), result
 
 
 def test_h7_cudagraph_step_counters_stay_in_their_thread(disabled):

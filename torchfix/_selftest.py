@@ -610,6 +610,38 @@ def h7_cudagraph_trees_in_new_thread(timeout: float = 60.0) -> Result | None:
     return Result("H7 (CUDA graph trees in a new thread)", shared, "shares the main thread's" if shared else "ok")
 
 
+def h7_cudagraph_trees_at_thread_end(timeout: float = 60.0) -> Result | None:
+    """A thread makes its CUDA graph tree containers (what its first ``mode="reduce-overhead"`` graph does) and
+    ends. When Python drops its thread-local values, at the thread's end, the containers must be out of torch's
+    C++ thread-local stash: left there, C++ thread-exit code tears the thread's trees down after Python let
+    the thread go (torch 2.13 - 2.15; 2.1 - 2.12 give a thread no trees of its own without torchfix). No GPU."""
+    import torch
+
+    try:
+        from torch._inductor import cudagraph_trees
+    except ImportError:
+        return None
+    scenario, stashed_at_end = "H7 (CUDA graph trees at a thread's end)", []
+
+    class AtThreadEnd:
+        # First used after the trees' own thread-local values, so dropped after them.
+        def __del__(self) -> None:
+            stashed_at_end.append(torch._C._is_key_in_tls("tree_manager_containers"))
+
+    at_end = threading.local()
+
+    def make_trees() -> None:
+        cudagraph_trees.get_container(0)
+        at_end.probe = AtThreadEnd()
+
+    error = _in_thread(make_trees, timeout)
+    if isinstance(error, BaseException):
+        return Result(scenario, True, f"no trees of its own: {type(error).__name__}: {error}")
+    if stashed_at_end != [False]:
+        return Result(scenario, True, f"still in the C++ thread-local stash at the thread's end: {stashed_at_end}")
+    return Result(scenario, False, "taken out of the C++ thread-local stash by the thread")
+
+
 def h7_cudagraph_step_counters(timeout: float = 60.0) -> Result | None:
     """One thread calls ``torch.compiler.cudagraph_mark_step_begin()`` and a compiled function; the
     generation another thread's CUDA graph trees read must not move (every release up to 2.15). No GPU."""
@@ -667,6 +699,7 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("export load", lambda: export_load_elsewhere(timeout)),
         ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
         ("H7 trees", lambda: h7_cudagraph_trees_in_new_thread(timeout)),
+        ("H7 trees at thread end", lambda: h7_cudagraph_trees_at_thread_end(timeout)),
         ("H7 step counters", lambda: h7_cudagraph_step_counters(timeout)),
         *cold_start,
         ("H2", lambda: h2_stuck_flag(timeout)),

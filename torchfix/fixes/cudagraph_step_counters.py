@@ -10,8 +10,9 @@ check for, outputs its own thread still needs ("accessing tensor output of CUDAG
 overwritten by a subsequent run"; seen on an H200, torch 2.11, 3 threads calling mark-step each step: 1 of
 3 threads failed, 2 of 2 runs). ``reset_cudagraph_trees()`` zeroes the counter for all threads too.
 
-Both counters move to a ``Steps`` object per thread, kept in the C++ thread-local stash, as torch keeps the
-tree containers, so autograd's device thread running a thread's backward reads that thread's counters.
+Both counters move to a ``Steps`` object per thread, kept in the C++ thread-local stash (until the thread
+ends: ``_thread_stash``), as torch keeps the tree containers, so autograd's device thread running a
+thread's backward reads that thread's counters.
 The trees read them through ``_cudagraph_steps()``. The increment on every compiled call stays call-free
 (it must cost next to nothing): it goes to the calling thread's ``Steps`` through a ``threading.local``
 whose class default is one shared object, for threads that have not run a CUDA graph (nobody reads it).
@@ -28,6 +29,7 @@ from packaging.specifiers import SpecifierSet
 from .._fix import Fix
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, parse, replace_node, segment
+from ._thread_stash import stash_until_thread_end
 
 TREES = "torch._inductor.cudagraph_trees"
 GUARD = "torch._dynamo.mutation_guard"
@@ -66,7 +68,7 @@ def steps_of_this_work() -> Steps:
     ):
         return UNCOUNTED  # a device thread, for a thread whose trees predate torchfix: nothing to share
     steps = Steps()
-    torch._C._stash_obj_in_tls(KEY, steps)
+    stash_until_thread_end(KEY, steps)
     vars(importlib.import_module(GUARD))[THIS_THREAD].steps = steps
     return steps
 

@@ -1,4 +1,5 @@
-"""cudagraph-thread-trees: every thread gets CUDA graph trees of its own, and captures one at a time (H7).
+"""cudagraph-thread-trees: every thread gets CUDA graph trees of its own, captures one at a time, and takes
+its trees along when it ends (H7).
 
 ``torch.compile(mode="reduce-overhead")`` runs compiled graphs as CUDA graphs kept in trees, one tree
 manager per device in a container dict that ``torch._inductor.cudagraph_trees`` keeps in a
@@ -7,7 +8,7 @@ stashed in the C++ thread-local state, which autograd's device threads inherit f
 backward they run). Any other thread's first CUDA graph dies in ``get_obj`` with ``AssertionError``
 (``assert torch._C._is_key_in_tls(attr_name)``; upstream issue #123177).
 
-This backports the first two parts of upstream's fix (pytorch/pytorch#184357, torch 2.13):
+On torch 2.1 - 2.12 this backports the first two parts of upstream's fix (pytorch/pytorch#184357, 2.13):
 
 * ``get_obj`` initialises a thread's containers on first use (``_initialize_tls``, as 2.13 names it),
   stashed in the C++ thread-local state too, so the device thread running this thread's backward finds
@@ -17,7 +18,9 @@ This backports the first two parts of upstream's fix (pytorch/pytorch#184357, to
   capture and the caching allocator's private pools are process-wide, so one thread's synchronize or pool
   switch would invalidate another thread's capture. Replays are not serialised.
 
-On 2.13+ torch has both: "not needed". What upstream still shares between threads is in
+On every release, 2.13 - 2.15 included (whose ``_initialize_tls`` is upstream's), the thread's stash
+entries are taken out when the thread ends (``_thread_stash``): left in, C++ thread-exit code tears the
+trees down after Python let the thread go. What upstream still shares between threads is in
 ``cudagraph-tree-callable`` and ``cudagraph-step-counters``.
 """
 
@@ -29,25 +32,27 @@ import threading
 from collections import defaultdict
 
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from .._fix import Fix
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ._thread_stash import stash_until_thread_end
 
 MODULE = "torch._inductor.cudagraph_trees"
 LOCK = "graph_capture_lock"
 INIT = "_initialize_tls"
+STASH = "_stash_until_thread_end"
 
 
 def _initialize_tls(local: threading.local) -> None:
-    """The calling thread's tree containers, as torch 2.13's ``_initialize_tls`` makes them."""
-    import torch
-
+    """The calling thread's tree containers, as torch 2.13's ``_initialize_tls`` makes them, taken out of the
+    C++ stash again when the thread ends."""
     local.tree_manager_containers = {}
     local.tree_manager_locks = defaultdict(threading.Lock)
     # The C++ copy is what autograd's device threads see while they run this thread's backward.
-    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
-    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
+    stash_until_thread_end("tree_manager_containers", local.tree_manager_containers)
+    stash_until_thread_end("tree_manager_locks", local.tree_manager_locks)
 
 
 class _TreesPerThread(SourcePatch):
@@ -98,19 +103,47 @@ class _TreesPerThread(SourcePatch):
         return {LOCK: threading.Lock(), INIT: _initialize_tls}
 
 
+class _ReleaseAtThreadEnd(SourcePatch):
+    """torch 2.13+: upstream's ``_initialize_tls`` stashes through ``_stash_until_thread_end``."""
+
+    def __init__(self) -> None:
+        super().__init__(MODULE, "torch/_inductor/cudagraph_trees.py")
+
+    def describe(self) -> str:
+        return super().describe() + f"; {INIT} stashes until the thread ends"
+
+    def edits(self, source: str) -> list[Edit]:
+        init = definitions(source).get(INIT)
+        calls = [node for node in ast.walk(init) if isinstance(node, ast.Call)] if init is not None else []
+        stashes = [call.func for call in calls if segment(source, call.func) == "torch._C._stash_obj_in_tls"]
+        if len(stashes) != 2:
+            raise ShapeError(f"{self.relpath}: expected {INIT} to stash two objects (torch 2.13 - 2.15)")
+        return [replace_node(func, STASH) for func in stashes]
+
+    def helpers(self) -> dict[str, object]:
+        return {STASH: stash_until_thread_end}
+
+
+def _patches(torch_version: str) -> list[SourcePatch]:
+    backported = Version(torch_version).release < (2, 13)
+    return [_TreesPerThread() if backported else _ReleaseAtThreadEnd()]
+
+
 def _probe() -> str | None:
     module = importlib.import_module(MODULE)
-    if INIT in vars(module) and LOCK in vars(module):
-        return "CUDA graph trees are per thread and captures serialised already (upstream fix, torch 2.13+)"
+    init = vars(module).get(INIT)
+    if init is not None and "_stash_obj_in_tls" not in init.__code__.co_names:
+        return f"{INIT} keeps nothing in the C++ thread-local stash (a later upstream fix)"
     return None
 
 
 FIX = Fix(
     name="cudagraph-thread-trees",
     hazard="mode='reduce-overhead' in a thread other than the one that imported CUDA graph trees fails "
-    "(AssertionError in cudagraph_trees.get_obj), and threads' graph captures break each other",
-    versions=SpecifierSet(">=2.1,<2.13", prereleases=True),
+    "(AssertionError in cudagraph_trees.get_obj; torch 2.1 - 2.12), threads' graph captures break each other, "
+    "and a thread's trees are torn down by C++ thread-exit code after Python let the thread go",
+    versions=SpecifierSet(">=2.1,<2.16", prereleases=True),
     probe=_probe,
-    patches=lambda _torch_version: [_TreesPerThread()],
+    patches=_patches,
     trigger=MODULE,
 )

@@ -1,0 +1,62 @@
+"""Python objects a thread keeps in torch's C++ thread-local stash, taken out again before the thread ends.
+
+``torch._C._stash_obj_in_tls`` keeps an object in C++ thread-local state, which autograd copies into the
+device thread that runs this thread's backward: that is how CUDA graph trees (and torchfix's per-thread
+step counters) reach a thread's own objects there. C++ destroys that state only when the OS thread exits,
+after Python has let the thread go (``join()`` has returned): the last reference to the thread's CUDA
+graph trees then drops in a C++ thread-exit destructor, which takes the GIL once more to run their
+teardown for a thread Python no longer knows (``threading`` sees a ``_DummyThread`` there); at interpreter
+exit the GIL can no longer be taken and the process aborts ("terminate called without an active
+exception": torch 2.13, CPU, 2 of 6 runs of a thread that made its trees and was joined). Upstream added
+``_remove_obj_from_tls`` after a deadlock of the same kind (pytorch/pytorch#182083).
+
+``stash_until_thread_end`` stashes as torch does and hands the key to the thread's releaser, a
+``threading.local`` value. Python drops those at the thread's end while the thread still runs Python,
+and the releaser takes its keys out there: with ``_remove_obj_from_tls`` (torch 2.13+); before, by
+stashing None over them, so that the objects go and only a reference to None is left to the C++ exit.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+
+class _Releaser:
+    """Takes one thread's stash entries out when the thread's thread-local values are dropped."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():  # the main thread's, at interpreter exit: the process takes the state along
+            return
+        import torch
+
+        remove = getattr(torch._C, "_remove_obj_from_tls", None)
+        for key in self.keys:
+            if not torch._C._is_key_in_tls(key):
+                continue
+            if remove is not None:
+                remove(key)
+            else:
+                torch._C._stash_obj_in_tls(key, None)
+
+
+class _ThisThread(threading.local):
+    releaser: _Releaser | None = None
+
+
+_this_thread = _ThisThread()
+
+
+def stash_until_thread_end(key: str, obj: object) -> None:
+    """``torch._C._stash_obj_in_tls(key, obj)``, taken out again when the calling thread ends."""
+    import torch
+
+    torch._C._stash_obj_in_tls(key, obj)
+    releaser = _this_thread.releaser
+    if releaser is None:
+        releaser = _this_thread.releaser = _Releaser()
+    if key not in releaser.keys:
+        releaser.keys.append(key)
