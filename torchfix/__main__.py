@@ -1,4 +1,4 @@
-"""``python -m torchfix``: the doctor report, the diffs, and running a program with torchfix loaded."""
+"""``python -m torchfix``: the doctor report, the diffs, a soak test, and running a program with torchfix loaded."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torchfix
 
-from . import fixes
+from . import _stress, fixes
 from ._config import config_is_per_thread
 from ._fix import State
 from ._source import ShapeError
@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     diff_parser.add_argument("--output-dir", help="write <fix>.diff files here instead of printing")
     run_parser = commands.add_parser("run", help="run a script or -m module with torchfix loaded")
     run_parser.add_argument("target", nargs=argparse.REMAINDER)
+    stress_parser = commands.add_parser(
+        "stress", help="randomized soak: threads tracing, compiling and exporting at once, torchfix on and off"
+    )
+    _stress.add_arguments(stress_parser)
     pth_parser = commands.add_parser("pth", help=f"install or remove {PTH_NAME} (torchfix in every interpreter)")
     pth_parser.add_argument("action", choices=["install", "remove"])
     pth_parser.add_argument("--site-dir", help="the site-packages to write to (default: this environment's)")
@@ -163,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args.target)
     if args.command == "pth":
         return pth(args.action, args.site_dir)
+    if args.command == "stress":
+        return _stress.main(args)
     return doctor(selftest=not getattr(args, "no_selftest", False))
 
 

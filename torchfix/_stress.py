@@ -1,0 +1,375 @@
+"""``python -m torchfix stress``: a randomized soak of threads using torch's compile, trace and export paths at
+once, on the user's own torch build, with torchfix on and with it off.
+
+Worker threads repeat random actions and check every result: ``symbolic_trace`` and ``make_fx`` of small
+functions, an eager ``torch.cond`` (a higher-order op: it enters ``_set_compilation_env``), calls of
+functions compiled with ``aot_eager`` (and inductor), fresh compiles, ``torch.export`` with a save/load
+round trip, compiled calls inside ``set_stance("force_eager")`` and node-meta recording. The main thread
+does none of it: it samples every flag torchfix makes per thread, and each sample showing another
+thread's state is a leak. Once the workers stop, every flag must be back at its default (a stuck flag).
+
+Each run is a fresh interpreter (``--child``); the parent runs torchfix on, then off (``TORCHFIX_DISABLE=1``),
+with the same seed, and prints errors, leaked samples and stuck state per hazard side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import io
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+
+NESTED_TRACE_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+
+# What an error message says about its hazard; anything else is reported as "other".
+ERROR_HAZARDS = [
+    (NESTED_TRACE_ERROR, "H1 FX tracing flag"),
+    ("is not installed as a submodule", "H4 trace patches"),
+    ("CURRENT_PATCHER", "H4 trace patches"),
+    ("traced graph", "H4 trace patches"),
+    ("an eager module", "H4 trace patches"),
+    ("ran uncompiled", "compiled call ran eagerly"),
+    ("force_eager ran compiled", "stance"),
+    ("node meta of another thread", "node meta"),
+    ("_CURRENT_DESERIALIZER", "export deserializer"),
+]
+
+
+ACTIONS = [
+    "symbolic_trace",
+    "make_fx",
+    "eager cond",
+    "compiled call",
+    "fresh compile",
+    "export",
+    "stance force_eager",
+    "node meta",
+    "eager module",
+    "inductor call",
+]
+
+
+class Soak:
+    """The actions, the checks and the counts of one run (one interpreter)."""
+
+    def __init__(self, seed: int, inductor: bool, actions: list[str] | None = None) -> None:
+        import torch
+        import torch.fx
+        from torch.fx import traceback as fx_traceback
+
+        self.torch, self.fx_traceback = torch, fx_traceback
+        self.seed, self.inductor = seed, inductor
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.actions: Counter[str] = Counter()
+        self.errors: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.leaks: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])  # hazard -> [leaked, samples]
+        self.graph_calls = Counter()  # per compiled function: how often its compiled graph ran
+        self.original_slots = (torch.nn.Module.__call__, torch.nn.Module.__getattr__)
+        self.compiled = torch.compile(self._add_one, backend=self._counting("aot_eager"))
+        self.compiled_inductor = torch.compile(self._times_two) if inductor else None
+        self.module = torch.nn.Linear(3, 3)
+        # (name, action, weight, whether this torch has what it uses)
+        menu = [
+            ("symbolic_trace", self.symbolic_trace, 3, True),
+            ("make_fx", self.make_fx, 3, True),
+            ("eager cond", self.eager_cond, 2, hasattr(torch, "cond")),
+            ("compiled call", self.compiled_call, 6, True),
+            ("fresh compile", self.fresh_compile, 1, True),
+            ("export", self.export, 1, hasattr(getattr(torch, "export", None), "load")),
+            ("stance force_eager", self.stance, 1, hasattr(getattr(torch, "compiler", None), "set_stance")),
+            ("node meta", self.node_meta, 2, True),
+            ("eager module", self.eager_module, 4, True),
+            ("inductor call", self.inductor_call, 2, inductor),
+        ]
+        self.menu = [
+            (name, action, weight) for name, action, weight, present in menu if present and name in (actions or [name])
+        ]
+        # What the main thread's sample calls: an eager module runs as it should (no tracer's patch on it).
+        self.probe = torch.nn.Linear(2, 2)
+        with torch.no_grad():
+            self.probe_input = torch.ones(1, 2)
+            self.probe_output = self.probe(self.probe_input)
+
+    # --- the actions: each raises AssertionError when its result is wrong -----------------------------
+
+    @staticmethod
+    def _add_one(x):
+        return x + 1
+
+    @staticmethod
+    def _times_two(x):
+        return x * 2
+
+    def _counting(self, backend: str) -> Callable:
+        """``backend`` whose compiled graphs count their runs: a call that did not run one ran eagerly."""
+        from torch._dynamo.backends.registry import lookup_backend
+
+        inner = lookup_backend(backend)
+
+        def counting(gm, example_inputs):
+            compiled = inner(gm, example_inputs)
+
+            def run(*args):
+                with self.lock:
+                    self.graph_calls[threading.get_ident()] += 1
+                return compiled(*args)
+
+            return run
+
+        return counting
+
+    def symbolic_trace(self, rng: random.Random) -> None:
+        torch = self.torch
+
+        class Around(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.linear = torch.nn.Linear(2, 2)
+
+            def forward(self, x):
+                return self.linear(x + 1)
+
+        ops = [node.op for node in torch.fx.symbolic_trace(Around()).graph.nodes]
+        assert ops == ["placeholder", "call_function", "call_module", "output"], f"traced graph {ops}"
+
+    def make_fx(self, rng: random.Random) -> None:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        graph = make_fx(self._times_two)(self.torch.ones(2))
+        targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+        assert targets == ["aten.mul.Tensor"], f"make_fx graph {targets}"
+
+    def eager_cond(self, rng: random.Random) -> None:
+        torch = self.torch
+        x = torch.full((2,), float(rng.randint(-3, 3)))
+        out = torch.cond(x.sum() > 0, lambda v: v + 1, lambda v: v - 1, (x,))
+        assert torch.equal(out, x + 1 if x.sum() > 0 else x - 1), "torch.cond gave a wrong result"
+
+    def compiled_call(self, rng: random.Random) -> None:
+        me = threading.get_ident()
+        before = self.graph_calls[me]
+        x = self.torch.full((2,), float(rng.randint(0, 9)))
+        assert self.torch.equal(self.compiled(x), x + 1), "compiled call gave a wrong result"
+        assert self.graph_calls[me] == before + 1, "a compiled call ran uncompiled"
+
+    def fresh_compile(self, rng: random.Random) -> None:
+        k = rng.randint(2, 9)
+        fn = self.torch.compile(lambda x: x * k - 1, backend="aot_eager")
+        x = self.torch.ones(3)
+        assert self.torch.equal(fn(x), x * k - 1), "fresh compile gave a wrong result"
+
+    def inductor_call(self, rng: random.Random) -> None:
+        x = self.torch.full((4,), float(rng.randint(0, 9)))
+        assert self.torch.equal(self.compiled_inductor(x), x * 2), "inductor call gave a wrong result"
+
+    def export(self, rng: random.Random) -> None:
+        torch = self.torch
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(rng.randint(0, 99)))
+        program = torch.export.export(torch.nn.Linear(3, 3), (x,))
+        buffer = io.BytesIO()
+        torch.export.save(program, buffer)
+        loaded = torch.export.load(io.BytesIO(buffer.getvalue()))
+        assert torch.allclose(loaded.module()(x), program.module()(x)), "export load gave another program"
+
+    def stance(self, rng: random.Random) -> None:
+        me = threading.get_ident()
+        before = self.graph_calls[me]
+        with self.torch.compiler.set_stance("force_eager"):
+            x = self.torch.ones(2)
+            assert self.torch.equal(self.compiled(x), x + 1), "compiled call under force_eager: wrong result"
+        assert self.graph_calls[me] == before, "a compiled call under this thread's force_eager ran compiled"
+
+    def node_meta(self, rng: random.Random) -> None:
+        fx_traceback = self.fx_traceback
+        marker = f"torchfix-stress {threading.get_ident()}"
+        with fx_traceback.preserve_node_meta():
+            fx_traceback.set_stack_trace([marker])
+            seen = fx_traceback.get_current_meta().get("stack_trace")
+        assert seen is not None and marker in seen, f"node meta of another thread: {seen!r}"
+
+    def eager_module(self, rng: random.Random) -> None:
+        torch = self.torch
+        x = torch.ones(1, 3)
+        with torch.no_grad():
+            want = x @ self.module.weight.T + self.module.bias
+            assert torch.allclose(self.module(x), want), "an eager module gave a wrong result"
+
+    # --- the threads ---------------------------------------------------------------------------------
+
+    def worker(self, index: int) -> None:
+        rng = random.Random(self.seed * 1000 + index)
+        names, fns, weights = zip(*self.menu)
+        while not self.stop.is_set():
+            pick = rng.choices(range(len(fns)), weights)[0]
+            try:
+                fns[pick](rng)
+            except Exception as exc:
+                message = f"{names[pick]}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+                hazard = next((h for text, h in ERROR_HAZARDS if text in str(exc)), "other")
+                with self.lock:
+                    self.errors[hazard][message] += 1
+            with self.lock:
+                self.actions[names[pick]] += 1
+
+    def _probe_misbehaves(self) -> bool:
+        try:
+            with self.torch.no_grad():
+                return not self.torch.equal(self.probe(self.probe_input), self.probe_output)
+        except Exception:
+            return True
+
+    def flags(self, at_end: bool = False) -> dict[str, bool]:
+        """Per hazard: whether this (the main) thread sees state that only another thread can have set.
+        ``at_end``: with no trace running any more, ``nn.Module``'s slots must be torch's own again."""
+        torch = self.torch
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        serialize = sys.modules.get("torch._export.serde.serialize")
+        stance = getattr(getattr(eval_frame, "_stance", None), "stance", "default")
+        compiler = getattr(torch, "compiler", None)  # 2.1+; is_compiling 2.3+, is_exporting 2.4+
+        return {
+            "H1 FX tracing flag": torch.fx._symbolic_trace.is_fx_tracing(),
+            "H3 compile flags": any(getattr(compiler, name, bool)() for name in ("is_compiling", "is_exporting")),
+            "H4 trace patches": self._probe_misbehaves()
+            or (at_end and (torch.nn.Module.__call__, torch.nn.Module.__getattr__) != self.original_slots),
+            "stance": stance != "default",
+            "node meta": self.fx_traceback.has_preserved_node_meta() or bool(self.fx_traceback.get_current_meta()),
+            "export deserializer": getattr(serialize, "_CURRENT_DESERIALIZER", None) is not None,
+        }
+
+    def run(self, seconds: float, threads: int) -> dict[str, object]:
+        workers = [
+            threading.Thread(target=self.worker, args=(i,), name=f"stress-{i}", daemon=True) for i in range(threads)
+        ]
+        for thread in workers:
+            thread.start()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for hazard, leaked in self.flags().items():
+                counts = self.leaks[hazard]
+                counts[0] += leaked
+                counts[1] += 1
+            time.sleep(0.0005)
+        self.stop.set()
+        for thread in workers:
+            thread.join(120)
+        hung = [thread.name for thread in workers if thread.is_alive()]
+        stuck = [hazard for hazard, set_ in self.flags(at_end=True).items() if set_]
+        return {
+            "actions": dict(self.actions),
+            "errors": {hazard: dict(messages) for hazard, messages in self.errors.items()},
+            "leaks": {hazard: counts for hazard, counts in self.leaks.items()},
+            "stuck": stuck,
+            "hung": hung,
+        }
+
+
+def child(seconds: float, threads: int, seed: int, inductor: bool, actions: list[str] | None) -> int:
+    faulthandler.dump_traceback_later(seconds + 600, exit=True)  # a deadlock prints every stack and ends
+    import torch
+
+    import torchfix
+
+    soak = Soak(seed, inductor, actions)
+    report = soak.run(seconds, threads)
+    report.update(
+        torch=str(torch.__version__),
+        torchfix_disable=os.environ.get("TORCHFIX_DISABLE", ""),
+        fixes=[f"{entry.name}: {entry.state.value}" for entry in torchfix.status()],
+    )
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+def _run_child(args: argparse.Namespace, disable: str) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    if disable:
+        env["TORCHFIX_DISABLE"] = disable
+    command = [sys.executable, "-m", "torchfix", "stress", "--child", f"--seconds={args.seconds}"]
+    command += [f"--threads={args.threads}", f"--seed={args.seed}"] + ([] if args.inductor else ["--no-inductor"])
+    command += [f"--actions={args.actions}"] if args.actions else []
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.seconds + 900)
+    except subprocess.TimeoutExpired:
+        return {"failed": "killed: no answer 15 minutes after the soak's end"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"failed": f"exit {proc.returncode}: {tail[:300]}"}
+    return json.loads(lines[-1])
+
+
+def problems(report: dict[str, object]) -> int:
+    """Errors, leaked samples, stuck flags and hung threads of one run."""
+    if "failed" in report:
+        return 1
+    errors = sum(sum(messages.values()) for messages in report["errors"].values())
+    leaks = sum(leaked for leaked, _samples in report["leaks"].values())
+    return errors + leaks + len(report["stuck"]) + len(report["hung"])
+
+
+def table(runs: dict[str, dict[str, object]]) -> str:
+    lines = []
+    for label, report in runs.items():
+        lines.append(f"torchfix {label}:")
+        if "failed" in report:
+            lines.append(f"  run failed: {report['failed']}")
+            continue
+        total = sum(report["actions"].values())
+        lines.append(
+            f"  torch {report['torch']}; {total} actions: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(report["actions"].items()))
+        )
+        hazards = sorted({*report["leaks"], *report["errors"], *report["stuck"]})
+        for hazard in hazards:
+            leaked, samples = report["leaks"].get(hazard, [0, 0])
+            errors = report["errors"].get(hazard, {})
+            stuck = "STUCK at the end" if hazard in report["stuck"] else "back to default"
+            lines.append(
+                f"  {hazard:<26} errors {sum(errors.values()):>5}  leaked {leaked:>6} of {samples} samples  {stuck}"
+            )
+            lines += [
+                f"      {count} x {message}" for message, count in sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+            ]
+        if report["hung"]:
+            lines.append(f"  HUNG: {', '.join(report['hung'])}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.seconds <= 0 or args.threads < 1:
+        print("stress: --seconds must be positive and --threads at least 1", file=sys.stderr)
+        return 2
+    actions = [name.strip() for name in args.actions.split(",") if name.strip()] if args.actions else None
+    unknown = sorted(set(actions or []) - set(ACTIONS))
+    if unknown:
+        print(f"stress: unknown action(s) {', '.join(unknown)}; the actions: {', '.join(ACTIONS)}", file=sys.stderr)
+        return 2
+    if args.child:
+        return child(args.seconds, args.threads, args.seed, args.inductor, actions)
+    modes = {"on": "", "off": "1"}
+    chosen = modes if args.torchfix == "both" else {args.torchfix: modes[args.torchfix]}
+    runs = {label: _run_child(args, disable) for label, disable in chosen.items()}
+    print(json.dumps(runs) if args.json else table(runs))
+    return 1 if "on" in runs and problems(runs["on"]) else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long each run soaks (default 60)")
+    parser.add_argument("--threads", type=int, default=4, help="worker threads (default 4)")
+    parser.add_argument("--seed", type=int, default=0, help="the random choice of actions (default 0)")
+    parser.add_argument("--no-inductor", dest="inductor", action="store_false", help="leave inductor compiles out")
+    parser.add_argument("--torchfix", choices=("both", "on", "off"), default="both", help="which runs (default both)")
+    parser.add_argument(
+        "--actions", default="", help=f"comma-separated, the workers' actions (default all): {', '.join(ACTIONS)}"
+    )
+    parser.add_argument("--json", action="store_true", help="print the reports as JSON")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one run, in this interpreter
