@@ -5,7 +5,7 @@
 #
 # from the repository root. 1 target thread + 3 drafter threads on cuda:0, 300 steps, global batch 12,
 # torchfix on, twice with fresh Inductor/Triton caches: with --compile-mode reduce-overhead (the drafter
-# layers' training calls as CUDA graphs), then with --compile-mode default (today's path) for the loss
+# step's loss as CUDA graphs), then with --compile-mode default (today's path) for the loss
 # curve to compare against. Prints each run's tokens/s, graphs, eager fallback, CUDA graph skips,
 # first-step times, final loss and tau, then the largest difference of the two loss curves; writes both
 # runs (metrics.jsonl, log.txt, ...) under OUT_DIR/reduce-overhead and OUT_DIR/default, and

@@ -8,8 +8,8 @@
 * ``processes``: one process per replica (torchrun, N ranks x 1 drafter thread, each with its own target
   thread, ``--ranks-share-devices``: all on the one device, gradients all-reduced over gloo), no torchfix.
 
-On CUDA, also with CUDA graphs (``--compile-mode reduce-overhead``: each drafter layer's training call
-compiled and replayed as CUDA graphs): ``threads+cg`` for every N, and ``processes+cg`` for 3 replicas.
+On CUDA, also with CUDA graphs (``--compile-mode reduce-overhead``: the drafter step's whole loss compiled
+and replayed as CUDA graphs): ``threads+cg`` for every N, and ``processes+cg`` for 3 replicas.
 
 Every configuration runs in fresh processes with fresh Inductor/Triton caches and the same global batch,
 seed and steps; tokens/s is the trainer's own figure (context tokens after the first, compiling, step).
@@ -174,7 +174,7 @@ def table(result: dict) -> str:
         f"{result['global_batch']} x {result['seq_len']} tokens"
     ]
     if any(row.get("compile_mode") == "reduce-overhead" for row in result["rows"]):
-        lines.append("+cg: --compile-mode reduce-overhead (the drafter layers' training calls as CUDA graphs)")
+        lines.append("+cg: --compile-mode reduce-overhead (the drafter step's loss as CUDA graphs)")
     for row in result["rows"]:
         label = f"{row['mode']:<12} x{row['replicas']}"
         if "error" in row:

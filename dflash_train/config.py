@@ -92,8 +92,9 @@ class TrainConfig:
     compile_mode: str = _opt(
         "default",
         "torch.compile mode on CUDA drafters: 'default' (the layers eager, flex attention and its block mask "
-        "compiled), 'reduce-overhead' (each drafter layer's training call compiled, flex attention and gradient "
-        "checkpointing inside, and replayed as CUDA graphs), 'max-autotune-no-cudagraphs' (the same, autotuned, "
+        "compiled), 'reduce-overhead' (the drafter step's whole loss compiled, every layer with flex attention and "
+        "its gradient checkpoint inside, and replayed as CUDA graphs), 'max-autotune-no-cudagraphs' (the same, "
+        "autotuned, "
         "without CUDA graphs); only 'default' on CPU drafters",
         metavar="MODE",
     )

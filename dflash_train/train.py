@@ -122,8 +122,8 @@ def compile_replica(replica: Drafter, device: torch.device, cfg: TrainConfig) ->
     """What runs compiled in a replica's training step. On the CPU: its layers, with --backend (dense mask
     and SDPA in the graph). On CUDA with --compile-mode default: flex attention and the block mask, compiled
     once for all threads where model.py and masks.py define them; the layers stay eager. On CUDA with
-    another mode: each layer's training call (flex attention and the checkpoint inside), by inductor in
-    that mode."""
+    another mode: the step's whole loss (every layer with flex attention and its checkpoint inside), by
+    inductor in that mode."""
     if not cfg.compile:
         return
     if device.type == "cpu":
@@ -133,7 +133,7 @@ def compile_replica(replica: Drafter, device: torch.device, cfg: TrainConfig) ->
 
 
 def uses_cudagraphs(cfg: TrainConfig, device: torch.device) -> bool:
-    """Whether a replica on ``device`` trains with CUDA graphs (its layers' compiled training calls)."""
+    """Whether a replica on ``device`` trains with CUDA graphs (its compiled step loss)."""
     return cfg.compile and cfg.compile_mode == "reduce-overhead" and device.type == "cuda"
 
 
@@ -186,7 +186,7 @@ def train(config: TrainConfig) -> TrainResult:
             f"{len(replicas)} drafter threads on {cfg.drafter_devices}, {len(targets)} target thread(s) on "
             f"{cfg.target_devices}"
             + (f"; in each of {ranks.world_size} ranks" if ranks.world_size > 1 else "")
-            + (f"; drafter layers compiled with mode {cfg.compile_mode}" if cfg.compile_mode != "default" else ""),
+            + (f"; drafter step compiled with mode {cfg.compile_mode}" if cfg.compile_mode != "default" else ""),
             flush=True,
         )
 
