@@ -8,6 +8,7 @@ proves nothing); with torchfix it must be gone.
 import pytest
 from conftest import (
     HAS_EXPORT_LOAD,
+    HAS_EXPORT_TRACE,
     HAS_H1,
     HAS_H2,
     HAS_H3,
@@ -78,6 +79,13 @@ def test_set_stance_in_one_thread_leaves_other_threads_compiling(disabled):
 def test_node_meta_recorded_in_one_thread_stays_there(disabled):
     result = scenario("_selftest.node_meta_elsewhere()", disabled, fix="fx-node-meta")
     assert result["hazard"] == (disabled and HAS_NODE_META), result
+
+
+def test_export_in_two_threads_at_once(disabled):
+    result = scenario("_selftest.export_trace_elsewhere()", disabled, fix="export-trace-state")
+    if result is None:
+        pytest.skip("this torch cannot export non-strict")
+    assert result["hazard"] == (disabled and HAS_EXPORT_TRACE), result
 
 
 def test_export_load_in_two_threads_at_once(disabled):

@@ -112,3 +112,68 @@ print(json.dumps(seen))
         "restored": True,
         "no_getattr": True,
     }
+
+
+# A decorator defined in the patched file itself (torch.export._trace._log_export_wrapper): the module
+# attribute is the wrapper made at import, a closure of the file's own code. An edit of the wrapper's body
+# must reach that live closure (swapped besides its outer function), and an edit of the decorated
+# function must reach it, not the wrapper that also comes from the file.
+SAME_FILE_DECORATOR = """
+import json, sys, pathlib, tempfile
+folder = pathlib.Path(tempfile.mkdtemp())
+(folder / "decorated.py").write_text('''import functools
+
+def logged(fn):
+    @functools.wraps(fn)
+    def wrapper(*args):
+        return ("wrapped", fn(*args))
+    return wrapper
+
+@logged
+def work(x):
+    return x + 1
+''')
+sys.path.insert(0, str(folder))
+import decorated
+from torchfix._patch import SourcePatch
+from torchfix._source import parse, replace_node
+import ast
+
+class Edit(SourcePatch):
+    def __init__(self, text_from, text_to):
+        super().__init__("decorated", "decorated.py")
+        self.text_from, self.text_to = text_from, text_to
+    def edits(self, source):
+        return [replace_node(n, self.text_to) for n in ast.walk(parse(source))
+                if isinstance(n, ast.Constant) and n.value == self.text_from]
+
+inner = Edit("wrapped", "'WRAPPED'")
+seen = {"before": decorated.work(1)}
+inner.apply(); inner.verify()
+seen["wrapper_edited"] = decorated.work(1)
+inner.revert()
+seen["reverted"] = decorated.work(1)
+class BodyEdit(SourcePatch):
+    def __init__(self):
+        super().__init__("decorated", "decorated.py")
+    def edits(self, source):
+        work = next(n for n in parse(source).body if getattr(n, "name", None) == "work")
+        return [replace_node(work.body[0].value, "x + 100")]
+body = BodyEdit()
+body.apply(); body.verify()
+seen["body_edited"] = decorated.work(1)
+body.revert()
+seen["body_reverted"] = decorated.work(1)
+print(json.dumps(seen))
+"""
+
+
+def test_a_decorator_of_the_same_file_is_patched_in_its_live_wrapper_and_through_it():
+    seen = __import__("json").loads(run_ok(SAME_FILE_DECORATOR).stdout)
+    assert seen == {
+        "before": ["wrapped", 2],
+        "wrapper_edited": ["WRAPPED", 2],
+        "reverted": ["wrapped", 2],
+        "body_edited": ["wrapped", 101],
+        "body_reverted": ["wrapped", 2],
+    }, seen

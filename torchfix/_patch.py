@@ -299,15 +299,16 @@ class ThreadLocalGlobals(SourcePatch):
         edits = []
         present = self._present(_module_level_names(source))
         defaults = _module_level_defaults(source, set(present))
+        declarations: dict[int, ast.Global] = {}  # one `global a, b` may declare several moved names
         for name, attr in present.items():
-            uses, declarations = _global_uses(source, self.relpath, name)
+            uses, declared = _global_uses(source, self.relpath, name)
             if not uses:
                 raise ShapeError(f"{self.relpath}: no function uses the global {name}")
             value = f"{self.holder}.{attr}"
             read = defaults[name].fast_read(name, value, self.holder)
             edits += [replace_node(use, read if isinstance(use.ctx, ast.Load) else value) for use in uses]
-            edits += [self._drop_declaration(source, decl, name) for decl in declarations]
-        return edits
+            declarations.update((id(decl), decl) for decl in declared)
+        return edits + [self._drop_declaration(source, decl, present) for decl in declarations.values()]
 
     def describe(self) -> str:
         moved = ", ".join(f"{name} -> {self.holder}.{attr}" for name, attr in self.attrs.items())
@@ -317,14 +318,15 @@ class ThreadLocalGlobals(SourcePatch):
             f"`{self.module_name}.<name>` read from other modules goes through a module __getattr__"
         )
 
-    def _drop_declaration(self, source: str, decl: ast.Global, name: str) -> Edit:
-        others = [n for n in decl.names if n != name]
+    def _drop_declaration(self, source: str, decl: ast.Global, moved: dict[str, str]) -> Edit:
+        others = [n for n in decl.names if n not in moved]
         if others:
             return replace_node(decl, "global " + ", ".join(others))
         line = source.splitlines()[decl.lineno - 1].encode()
         alone = line[: decl.col_offset].strip() == b"" and line[decl.end_col_offset :].strip() == b""
         # A comment keeps the line (line numbers must not move) and tells the reader where it went.
-        return replace_node(decl, f"# {name} is thread-local: {self.holder}.{self.attrs[name]}" if alone else "pass")
+        where = ", ".join(f"{name} is thread-local: {self.holder}.{moved[name]}" for name in decl.names)
+        return replace_node(decl, f"# {where}" if alone else "pass")
 
     def _install_state(self, module: types.ModuleType, source: str) -> None:
         namespace = vars(module)

@@ -334,6 +334,62 @@ def export_load_elsewhere(timeout: float = 60.0) -> Result | None:
     )
 
 
+def export_trace_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A is inside ``torch.export.export`` (non-strict: its module's forward runs, and waits
+    there), the main thread exports another module from start to end; then A's export goes on. Both must
+    export, each with its own module call graph. None where this torch cannot export non-strict."""
+    import torch
+
+    export = getattr(torch, "export", None)
+    if export is None or not hasattr(export, "export"):
+        return None
+    inside, release = threading.Event(), threading.Event()
+
+    class Held(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.held = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            if not inside.is_set():
+                inside.set()
+                release.wait(timeout)
+            return self.held(x)
+
+    class Other(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.other = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.other(x)
+
+    def call_graph(module: torch.nn.Module) -> str:
+        try:
+            program = export.export(module, (torch.ones(1, 2),), strict=False)
+        except TypeError as exc:
+            if "strict" in str(exc):
+                return "no non-strict export"
+            raise
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ",".join(entry.fqn for entry in program.module_call_graph)
+
+    held: list[str] = []
+    thread = threading.Thread(target=lambda: held.append(call_graph(Held())), name="torchfix-selftest")
+    thread.start()
+    if not inside.wait(timeout):
+        thread.join(timeout)
+        return None if held == ["no non-strict export"] else Result("export trace", True, f"held export: {held}")
+    mine = call_graph(Other())
+    release.set()
+    thread.join(timeout)
+    theirs = (held or ["no answer"])[0]
+    wrong = mine != ",other" or theirs != ",held"
+    detail = f"module call graphs: the main thread's {mine!r}, the held thread's {theirs!r}"
+    return Result("export trace (torch.export.export in two threads at once)", wrong, detail)
+
+
 def _module_slots() -> dict[str, object]:
     """What ``Tracer.trace`` patches on ``nn.Module``: must be the originals again once no trace runs."""
     import torch
@@ -697,6 +753,7 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("stance", lambda: stance_elsewhere(timeout)),
         ("node meta", lambda: node_meta_elsewhere(timeout)),
         ("export load", lambda: export_load_elsewhere(timeout)),
+        ("export trace", lambda: export_trace_elsewhere(timeout)),
         ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
         ("H7 trees", lambda: h7_cudagraph_trees_in_new_thread(timeout)),
         ("H7 trees at thread end", lambda: h7_cudagraph_trees_at_thread_end(timeout)),

@@ -134,6 +134,22 @@ def outermost_function(tree: ast.Module, line: int) -> tuple[str, ast.FunctionDe
     raise ShapeError(f"line {line} is not inside a module-level function or method")
 
 
+def nested_functions_around(tree: ast.Module, line: int) -> set[tuple[str, int]]:
+    """``(name, co_firstlineno)`` of every function nested in another whose text holds ``line``.
+
+    Live closures of such a function (a decorator's wrapper, made at import: ``module.f`` is the wrapper
+    ``torch.export._trace._log_export_wrapper`` made) keep the code they were made with, so they are
+    swapped one by one besides their outer function."""
+    found = set()
+    for outer in ast.walk(tree):
+        if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(outer):
+                if node is not outer and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if first_line(node) <= line <= (node.end_lineno or node.lineno):
+                        found.add((node.name, first_line(node)))
+    return found
+
+
 def first_line(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """``co_firstlineno`` of the function: its first decorator's line, else the ``def`` line."""
     return min([node.lineno, *(d.lineno for d in node.decorator_list)])
@@ -147,31 +163,38 @@ def iter_code(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from iter_code(const)
 
 
-def unwrap_to_code_of(obj: object, filename: str) -> types.FunctionType | None:
-    """The plain function behind ``obj`` whose code lives in ``filename``.
+def unwrap_to_code_of(obj: object, filename: str, line: int | None = None) -> types.FunctionType | None:
+    """The plain function behind ``obj`` whose code lives in ``filename`` (and starts at ``line``, if given).
 
     Follows ``staticmethod``/``classmethod`` and ``functools.wraps`` chains (``__wrapped__``), which
-    is how torch's decorators (``contextmanager``, ``lru_cache``, ``_disable_dynamo``) expose it.
+    is how torch's decorators (``contextmanager``, ``lru_cache``, ``_disable_dynamo``) expose it. A
+    decorator defined in the same file (``torch.export._trace._log_export_wrapper``) has its wrapper's code
+    from the file too: ``line`` tells the decorated function from it.
     """
     seen = 0
     while obj is not None and seen < 16:
         if isinstance(obj, (staticmethod, classmethod)):
             obj = obj.__func__
-        if isinstance(obj, types.FunctionType) and obj.__code__.co_filename == filename:
+        code = obj.__code__ if isinstance(obj, types.FunctionType) else None
+        if code is not None and code.co_filename == filename and line in (None, code.co_firstlineno):
             return obj
         obj = getattr(obj, "__wrapped__", None)
         seen += 1
     return None
 
 
-def resolve_function(module: types.ModuleType, qualname: str, filename: str) -> types.FunctionType:
+def resolve_function(
+    module: types.ModuleType, qualname: str, filename: str, line: int | None = None
+) -> types.FunctionType:
     owner: object = module
     *path, name = qualname.split(".")
     for part in path:
         owner = vars(owner).get(part) if hasattr(owner, "__dict__") else None
         if owner is None:
             raise ShapeError(f"{module.__name__}.{qualname}: {part} not found in the live module")
-    func = unwrap_to_code_of(vars(owner).get(name), filename)
+    func = unwrap_to_code_of(vars(owner).get(name), filename, line)
+    if func is None and line is not None:
+        func = unwrap_to_code_of(vars(owner).get(name), filename)  # reported below as "source and module differ"
     if func is None:
         raise ShapeError(f"{module.__name__}.{qualname}: no live function with code from {filename}")
     return func
@@ -265,10 +288,16 @@ class PatchedFile:
         new_codes = {(c.co_name, c.co_firstlineno): c for c in iter_code(compiled)}
 
         target: dict[types.FunctionType, types.CodeType] = {}
-        for qualname, node in {outermost_function(tree, e.line) for e in edits}:
-            func = resolve_function(module, qualname, filename)
+        nested = {key for e in edits for key in nested_functions_around(tree, e.line)}
+        for func in live_functions(module):  # live closures of edited nested functions
             original = self.original.get(func, func.__code__)
+            key = (original.co_name, original.co_firstlineno)
+            if key in nested and key in new_codes and new_codes[key].co_freevars == original.co_freevars:
+                target[func] = new_codes[key]
+        for qualname, node in {outermost_function(tree, e.line) for e in edits}:
             line = first_line(node)
+            func = resolve_function(module, qualname, filename, line)
+            original = self.original.get(func, func.__code__)
             if original.co_firstlineno != line:
                 raise ShapeError(
                     f"{module.__name__}.{qualname}: the live function starts at line "

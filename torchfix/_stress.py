@@ -40,6 +40,7 @@ ERROR_HAZARDS = [
     ("force_eager ran compiled", "stance"),
     ("node meta of another thread", "node meta"),
     ("_CURRENT_DESERIALIZER", "export deserializer"),
+    ("_EXPORT_MODULE_HIERARCHY", "export trace"),
 ]
 
 
@@ -233,6 +234,7 @@ class Soak:
         torch = self.torch
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")
         serialize = sys.modules.get("torch._export.serde.serialize")
+        export_trace = sys.modules.get("torch.export._trace")
         stance = getattr(getattr(eval_frame, "_stance", None), "stance", "default")
         compiler = getattr(torch, "compiler", None)  # 2.1+; is_compiling 2.3+, is_exporting 2.4+
         return {
@@ -243,6 +245,7 @@ class Soak:
             "stance": stance != "default",
             "node meta": self.fx_traceback.has_preserved_node_meta() or bool(self.fx_traceback.get_current_meta()),
             "export deserializer": getattr(serialize, "_CURRENT_DESERIALIZER", None) is not None,
+            "export trace": getattr(export_trace, "_EXPORT_MODULE_HIERARCHY", None) is not None,
         }
 
     def run(self, seconds: float, threads: int) -> dict[str, object]:

@@ -1,0 +1,41 @@
+"""export-trace-state: the module an export is tracing belongs to the thread that exports it.
+
+``torch.export._trace`` keeps what the export in progress is about in module globals: ``_EXPORT_FLAGS``
+(strict or not, for its logs; torch 2.3+) and ``_EXPORT_MODULE_HIERARCHY`` (the exported module's
+submodules, from which the program's module call graph is built; 2.4+). ``torch.export.export`` sets them
+at its start and clears them when it returns. Two threads exporting at once share them: the first to
+finish clears them under the other, whose export then fails with ``AssertionError:
+_EXPORT_MODULE_HIERARCHY must not be None``, or, while both run, the later export's hierarchy replaces the
+earlier's and that program gets the other module's call graph. Globals in every release up to 2.15.
+
+Both move to a ``threading.local`` (``_trace._export_trace_tls``) with :class:`ThreadLocalGlobals`.
+"""
+
+from __future__ import annotations
+
+from packaging.specifiers import SpecifierSet
+
+from .._fix import Fix
+from .._patch import ThreadLocalGlobals, moved_global_probe
+
+MODULE = "torch.export._trace"
+HOLDER = "_export_trace_tls"
+
+
+FIX = Fix(
+    name="export-trace-state",
+    hazard="torch.export.export in two threads at once: one raises AssertionError: _EXPORT_MODULE_HIERARCHY must "
+    "not be None when the other finishes, or gets the other module's call graph",
+    versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
+    probe=moved_global_probe(MODULE, HOLDER, "_EXPORT_FLAGS", f"{MODULE} has no global _EXPORT_FLAGS (before 2.3)"),
+    patches=lambda _torch_version: [
+        ThreadLocalGlobals(
+            MODULE,
+            "torch/export/_trace.py",
+            HOLDER,
+            {"_EXPORT_FLAGS": "flags", "_EXPORT_MODULE_HIERARCHY": "module_hierarchy"},
+            optional=frozenset({"_EXPORT_MODULE_HIERARCHY"}),
+        )
+    ],
+    trigger=MODULE,
+)
