@@ -7,8 +7,8 @@ after Python has let the thread go (``join()`` has returned): the last reference
 graph trees then drops in a C++ thread-exit destructor, which takes the GIL once more to run their
 teardown for a thread Python no longer knows (``threading`` sees a ``_DummyThread`` there); at interpreter
 exit the GIL can no longer be taken and the process aborts ("terminate called without an active
-exception": torch 2.13, CPU, 2 of 6 runs of a thread that made its trees and was joined). Upstream added
-``_remove_obj_from_tls`` after a deadlock of the same kind (pytorch/pytorch#182083).
+exception": torch 2.13, CPU, 3 of 78 runs of a process whose one thread made its trees and was joined).
+Upstream added ``_remove_obj_from_tls`` after a deadlock of the same kind (pytorch/pytorch#182083).
 
 ``stash_until_thread_end`` stashes as torch does and hands the key to the thread's releaser, a
 ``threading.local`` value. Python drops those at the thread's end while the thread still runs Python,
