@@ -737,8 +737,9 @@ def h7_cudagraph_step_counters(timeout: float = 60.0) -> Result | None:
 
 def run_all(timeout: float = 60.0) -> list[Result]:
     """Every scenario this torch has. Without the fixes, H2 and H4 can leave the process broken (a stuck
-    flag, ``nn.Module`` left patched): they run last, and a scenario that raises because an earlier one
-    broke the process is reported as a failure rather than stopping the report."""
+    flag, ``nn.Module`` left patched), and two exports at once do even with them: they run last, and a
+    scenario that raises because an earlier one broke the process is reported as a failure rather than
+    stopping the report."""
     from ._fix import State
     from ._install import status
 
@@ -753,7 +754,6 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("stance", lambda: stance_elsewhere(timeout)),
         ("node meta", lambda: node_meta_elsewhere(timeout)),
         ("export load", lambda: export_load_elsewhere(timeout)),
-        ("export trace", lambda: export_trace_elsewhere(timeout)),
         ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
         ("H7 trees", lambda: h7_cudagraph_trees_in_new_thread(timeout)),
         ("H7 trees at thread end", lambda: h7_cudagraph_trees_at_thread_end(timeout)),
@@ -762,6 +762,9 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("H2", lambda: h2_stuck_flag(timeout)),
         ("H4 cond", lambda: h4_trace_patches_leak("cond", timeout)),
         ("H4 symbolic_trace", lambda: h4_trace_patches_leak("symbolic_trace", timeout)),
+        # Last: two exports at once leave torch's process-wide pre-dispatch mode stack dirty (not fixed yet:
+        # docs/torch-2.15-globals.md), and an eager torch.cond fails after that.
+        ("export trace", lambda: export_trace_elsewhere(timeout)),
     ]
     results = []
     for name, scenario in scenarios:
