@@ -680,9 +680,11 @@ def h7_cudagraph_trees_at_thread_end(timeout: float = 60.0) -> Result | None:
     scenario, stashed_at_end = "H7 (CUDA graph trees at a thread's end)", []
 
     class AtThreadEnd:
-        # First used after the trees' own thread-local values, so dropped after them.
+        # First used after the trees' own thread-local values, so dropped after them. Before torch 2.13 an
+        # entry cannot be removed, only overwritten with None.
         def __del__(self) -> None:
-            stashed_at_end.append(torch._C._is_key_in_tls("tree_manager_containers"))
+            key = "tree_manager_containers"
+            stashed_at_end.append(torch._C._is_key_in_tls(key) and torch._C._get_obj_in_tls(key) is not None)
 
     at_end = threading.local()
 
