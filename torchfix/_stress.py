@@ -20,6 +20,7 @@ import io
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -214,7 +215,8 @@ class Soak:
             try:
                 fns[pick](rng)
             except Exception as exc:
-                message = f"{names[pick]}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}"
+                first_line = (str(exc).strip().splitlines() or [""])[0]
+                message = f"{names[pick]}: {type(exc).__name__}: {first_line[:160]}"
                 hazard = next((h for text, h in ERROR_HAZARDS if text in str(exc)), "other")
                 with self.lock:
                     self.errors[hazard][message] += 1
@@ -276,7 +278,8 @@ class Soak:
 
 
 def child(seconds: float, threads: int, seed: int, inductor: bool, actions: list[str] | None) -> int:
-    faulthandler.dump_traceback_later(seconds + 600, exit=True)  # a deadlock prints every stack and ends
+    faulthandler.enable()  # a crash inside torch prints every thread's stack
+    faulthandler.dump_traceback_later(seconds + 600, exit=True)  # so does a deadlock, and ends the run
     import torch
 
     import torchfix
@@ -305,6 +308,11 @@ def _run_child(args: argparse.Namespace, disable: str) -> dict[str, object]:
         return {"failed": "killed: no answer 15 minutes after the soak's end"}
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
+        if proc.returncode < 0:  # a crash inside torch: faulthandler printed every thread's stack
+            return {
+                "failed": f"crashed: killed by {signal.Signals(-proc.returncode).name}",
+                "stderr": proc.stderr[-4000:],
+            }
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return {"failed": f"exit {proc.returncode}: {tail[:300]}"}
     return json.loads(lines[-1])
