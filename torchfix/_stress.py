@@ -45,6 +45,7 @@ ERROR_HAZARDS = [
 ]
 
 
+# The names of Soak's actions (its menu), for --actions.
 ACTIONS = [
     "symbolic_trace",
     "make_fx",
@@ -68,13 +69,13 @@ class Soak:
         from torch.fx import traceback as fx_traceback
 
         self.torch, self.fx_traceback = torch, fx_traceback
-        self.seed, self.inductor = seed, inductor
+        self.seed = seed
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.actions: Counter[str] = Counter()
         self.errors: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.leaks: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])  # hazard -> [leaked, samples]
-        self.graph_calls = Counter()  # per compiled function: how often its compiled graph ran
+        self.graph_calls = Counter()  # per thread: how often the compiled graph of self.compiled ran
         self.original_slots = (torch.nn.Module.__call__, torch.nn.Module.__getattr__)
         self.compiled = torch.compile(self._add_one, backend=self._counting("aot_eager"))
         self.compiled_inductor = torch.compile(self._times_two) if inductor else None
