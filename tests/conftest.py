@@ -54,6 +54,10 @@ TORCH_CRASHES_ON_CONCURRENT_RECOMPILE = (2, 10) <= TORCH_VERSION.release < (2, 1
 # machine without CUDA, which segfaulted in 3 of 4 four-second soaks on 2.10 with torchfix and without (C++
 # state, out of torchfix's reach); 2.11 has the same code and was not run; 2.13 did not crash.
 TORCH_CRASHES_ON_CONCURRENT_MAKE_FX = (2, 10) <= TORCH_VERSION.release < (2, 12)
+# Before 2.3 Dynamo keeps the backends its guards check (eval_frame's cached_backends) per thread, so code compiled
+# in one thread fails its guard in another with KeyError (torch.cond compiles itself on each eager call). Not
+# fixed by torchfix yet; 2.3 made the cache a module global.
+TORCH_BACKEND_CACHE_PER_THREAD = TORCH_VERSION.release < (2, 3)
 
 
 @dataclass

@@ -16,15 +16,18 @@ import torchfix
 from . import _stress, fixes
 from ._config import config_is_per_thread
 from ._fix import State
+from ._install import module_file_exists
 from ._source import ShapeError
 
 PTH_NAME = "torchfix-autoload.pth"
 
 
 def _load_triggers() -> None:
-    """Import what each fix waits for (Dynamo, say), so every status is final rather than pending."""
+    """Import what each fix waits for (Dynamo, say), so every status is final rather than pending. A trigger
+    this torch does not have (``torch.export._trace`` before 2.3) made its fixes "not needed" already."""
     for fix in fixes.ALL:
-        importlib.import_module(fix.trigger)
+        if module_file_exists(fix.trigger):
+            importlib.import_module(fix.trigger)
 
 
 def doctor(selftest: bool) -> int:

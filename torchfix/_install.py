@@ -101,7 +101,7 @@ def _arm(waiting: dict[str, list[Fix]]) -> None:
     for trigger, group in waiting.items():
         if trigger in sys.modules:
             _apply(group)
-        elif not _module_file_exists(trigger):
+        elif not module_file_exists(trigger):
             for fix in group:
                 _set(FixStatus(fix.name, State.NOT_NEEDED, f"this torch has no {trigger}"))
         else:
@@ -110,7 +110,7 @@ def _arm(waiting: dict[str, list[Fix]]) -> None:
             _when_imported(trigger, lambda group=group: _apply(group))
 
 
-def _module_file_exists(name: str) -> bool:
+def module_file_exists(name: str) -> bool:
     """Whether a submodule of an imported package has a file, without importing it (``find_spec`` would
     import its parent packages, and ``torch._inductor`` costs an import of its own)."""
     top, *rest = name.split(".")
