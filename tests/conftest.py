@@ -51,7 +51,7 @@ HAS_RECHECK_FIX = TORCH_VERSION.release >= (2, 6)
 # run, and without compile-cache-recheck (2.10: 3 of 3 runs) when they duplicate one frame's compile.
 TORCH_CRASHES_ON_CONCURRENT_RECOMPILE = (2, 10) <= TORCH_VERSION.release < (2, 12)
 # And when threads make_fx at once: FakeTensorMode.__enter__ calls torch._C._ensureCUDADeviceGuardSet() on a
-# machine without CUDA, which segfaulted in 3 of 4 four-second soaks on 2.10 with torchfix and without (C++
+# machine without CUDA, which segfaulted in 6 of 9 four-second soaks on 2.10, with torchfix and without (C++
 # state, out of torchfix's reach); 2.11 has the same code and was not run; 2.13 did not crash.
 TORCH_CRASHES_ON_CONCURRENT_MAKE_FX = (2, 10) <= TORCH_VERSION.release < (2, 12)
 # Before 2.3 Dynamo keeps the backends its guards check (eval_frame's cached_backends) per thread, so code compiled
