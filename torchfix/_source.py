@@ -134,19 +134,25 @@ def outermost_function(tree: ast.Module, line: int) -> tuple[str, ast.FunctionDe
     raise ShapeError(f"line {line} is not inside a module-level function or method")
 
 
-def nested_functions_around(tree: ast.Module, line: int) -> set[tuple[str, int]]:
-    """``(name, co_firstlineno)`` of every function nested in another whose text holds ``line``.
+def nested_functions_around(tree: ast.Module, lines: set[int]) -> set[tuple[str, int]]:
+    """``(name, co_firstlineno)`` of every function nested in another whose text holds one of ``lines``.
 
     Live closures of such a function (a decorator's wrapper, made at import: ``module.f`` is the wrapper
     ``torch.export._trace._log_export_wrapper`` made) keep the code they were made with, so they are
-    swapped one by one besides their outer function."""
+    swapped one by one besides their outer function. One walk of the tree, whatever the number of lines:
+    this runs at import."""
     found = set()
-    for outer in ast.walk(tree):
-        if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for node in ast.walk(outer):
-                if node is not outer and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    if first_line(node) <= line <= (node.end_lineno or node.lineno):
-                        found.add((node.name, first_line(node)))
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            is_function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if is_function and nested:
+                first, last = first_line(child), child.end_lineno or child.lineno
+                if any(first <= line <= last for line in lines):
+                    found.add((child.name, first))
+            visit(child, nested or is_function)
+
+    visit(tree, False)
     return found
 
 
@@ -288,8 +294,8 @@ class PatchedFile:
         new_codes = {(c.co_name, c.co_firstlineno): c for c in iter_code(compiled)}
 
         target: dict[types.FunctionType, types.CodeType] = {}
-        nested = {key for e in edits for key in nested_functions_around(tree, e.line)}
-        for func in live_functions(module):  # live closures of edited nested functions
+        nested = nested_functions_around(tree, {e.line for e in edits})
+        for func in live_functions(module) if nested else ():  # live closures of edited nested functions
             original = self.original.get(func, func.__code__)
             key = (original.co_name, original.co_firstlineno)
             if key in nested and key in new_codes and new_codes[key].co_freevars == original.co_freevars:
