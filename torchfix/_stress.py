@@ -28,11 +28,11 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
-NESTED_TRACE_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+from . import _selftest
 
 # What an error message says about its hazard; anything else is reported as "other".
 ERROR_HAZARDS = [
-    (NESTED_TRACE_ERROR, "H1 FX tracing flag"),
+    (_selftest.NESTED_TRACE_ERROR, "H1 FX tracing flag"),
     ("is not installed as a submodule", "H4 trace patches"),
     ("CURRENT_PATCHER", "H4 trace patches"),
     ("traced graph", "H4 trace patches"),
@@ -131,18 +131,8 @@ class Soak:
         return counting
 
     def symbolic_trace(self, rng: random.Random) -> None:
-        torch = self.torch
-
-        class Around(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.linear = torch.nn.Linear(2, 2)
-
-            def forward(self, x):
-                return self.linear(x + 1)
-
-        ops = [node.op for node in torch.fx.symbolic_trace(Around()).graph.nodes]
-        assert ops == ["placeholder", "call_function", "call_module", "output"], f"traced graph {ops}"
+        ops = _selftest._graph_ops(_selftest._module_around(self._add_one))
+        assert ops == _selftest.MODULE_GRAPH, f"traced graph {ops}"
 
     def make_fx(self, rng: random.Random) -> None:
         from torch.fx.experimental.proxy_tensor import make_fx
