@@ -1,7 +1,7 @@
 """CUDA graphs across threads: how many runs of ``tests/cuda_graph_threads.py`` pass, per configuration.
 
 Each run is a fresh interpreter with fresh Inductor/Triton cache folders: 3 threads train their own
-attention block compiled with ``mode="reduce-overhead"``, every step checked against an eager twin. The
+attention block (or MLP) compiled with ``mode="reduce-overhead"``, every step checked against an eager twin. The
 configurations turn the cudagraph fixes off one at a time (TORCHFIX_DISABLE), with and without
 ``cudagraph_mark_step_begin()`` each step, so each row says which failure a part of the fix removes.
 CUDA only; ``--quick`` runs one configuration once, a smoke test.
@@ -17,21 +17,23 @@ import tempfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "cuda_graph_threads.py"
-# (label, TORCHFIX_DISABLE, mark-step each step, generations of threads)
+# (label, TORCHFIX_DISABLE, mark-step each step, generations of threads, MLP instead of attention)
 CONFIGS = [
-    ("torchfix", "", False, 1),
-    ("torchfix, mark-step", "", True, 1),
-    ("without cudagraph-thread-trees", "cudagraph-thread-trees", False, 1),
-    ("without cudagraph-tree-callable", "cudagraph-tree-callable", False, 1),
-    ("without cudagraph-step-counters, mark-step", "cudagraph-step-counters", True, 1),
-    ("without cudagraph-step-counters", "cudagraph-step-counters", False, 1),
-    ("without torchfix", "1", False, 1),
-    # Threads that end: 20 rounds of 3 threads, 8 steps each.
-    ("torchfix, threads ending (20 x 8 steps), mark-step", "", True, 20),
+    ("torchfix", "", False, 1, False),
+    ("torchfix, mark-step", "", True, 1, False),
+    ("without cudagraph-thread-trees", "cudagraph-thread-trees", False, 1, False),
+    ("without cudagraph-tree-callable", "cudagraph-tree-callable", False, 1, False),
+    ("without cudagraph-step-counters, mark-step", "cudagraph-step-counters", True, 1, False),
+    ("without cudagraph-step-counters", "cudagraph-step-counters", False, 1, False),
+    ("without torchfix", "1", False, 1, False),
+    # Threads that end: rounds of 3 threads, 8 steps each. On torch 2.11 torchfix before 3a4f4d7 (no
+    # release of a thread's stash entries at its end) crashed these (SIGSEGV or corrupted objects).
+    ("torchfix, threads ending (20 x 8 steps), mark-step", "", True, 20, False),
+    ("torchfix, threads ending (40 x 8 steps, MLP), mark-step", "", True, 40, True),
 ]
 
 
-def one(disable: str, mark_step: bool, steps: int, generations: int, timeout: float) -> dict:
+def one(disable: str, mark_step: bool, steps: int, generations: int, mlp: bool, timeout: float) -> dict:
     caches = tempfile.mkdtemp(prefix="bench-cudagraphs-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
     env.update(TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
@@ -40,6 +42,7 @@ def one(disable: str, mark_step: bool, steps: int, generations: int, timeout: fl
     command = [sys.executable, str(SCRIPT), "--steps", str(steps), "--generations", str(generations)]
     command += ["--timeout", str(timeout)]
     command += ["--mark-step"] if mark_step else []
+    command += ["--mlp"] if mlp else []
     try:
         proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout + 60)
     except subprocess.TimeoutExpired:
@@ -70,11 +73,11 @@ def run(quick: bool = False, runs: int = 3, configs: str = "") -> dict[str, obje
     chosen = [CONFIGS[int(i)] for i in configs.split(",")] if configs else CONFIGS
     chosen, runs, steps = (chosen[:1], 1, 5) if quick else (chosen, runs, 40)
     rows = []
-    for label, disable, mark_step, generations in chosen:
+    for label, disable, mark_step, generations, mlp in chosen:
         # Without torchfix the threads deadlock (H5): one short run says so.
         timeout = 120.0 if disable == "1" else 240.0
         per_thread = steps if generations == 1 else 8
-        results = [one(disable, mark_step, per_thread, generations, timeout) for _ in range(runs)]
+        results = [one(disable, mark_step, per_thread, generations, mlp, timeout) for _ in range(runs)]
         rows.append({"config": label, "passed": sum(r["passed"] for r in results), "runs": results})
     return {"torch": str(torch.__version__), "device": torch.cuda.get_device_name(), "steps": steps, "rows": rows}
 

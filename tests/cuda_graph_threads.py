@@ -1,7 +1,8 @@
 """N threads train their own attention block compiled with ``mode="reduce-overhead"`` (CUDA graphs) on
 one device, every step checked against an eager twin; cold compile caches.
 
-    python tests/cuda_graph_threads.py [--threads 3] [--steps 40] [--generations 1] [--mark-step] [--timeout 300]
+    python tests/cuda_graph_threads.py [--threads 3] [--steps 40] [--generations 1] [--mark-step] [--mlp]
+                                       [--timeout 300]
 
 Each thread trains a compiled block and an eager copy with the same weights, inputs and optimizer, and
 compares the two outputs and weights after every step: a thread whose CUDA graphs were replayed or
@@ -11,9 +12,11 @@ that has been overwritten by a subsequent run", capture errors). ``--mark-step``
 ``--generations G``: G rounds of threads, one after the other; each round's threads go on training the same
 blocks for ``--steps`` steps (in CUDA graph trees of their own) and end, as the workers of a job that starts
 threads per phase do. Meanwhile the main thread runs Python (it builds small modules), as a job's main
-thread does. TORCHFIX_DISABLE turns fixes off (the cudagraph-* ones one at a time to see what each removes). Prints one
-JSON line: steps each thread finished, the first error of each, the largest differences from eager, hung
-threads; exit code 0 when every thread finished every step equal to eager.
+thread does. ``--mlp`` trains a two-layer MLP instead of the attention block (it compiles in seconds, so
+many generations fit in a run). TORCHFIX_DISABLE turns fixes off (the cudagraph-* ones one at a time to
+see what each removes). Prints one JSON line: steps each thread finished, the first error of each, the
+largest differences from eager, hung threads; exit code 0 when every thread finished every step equal to
+eager.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--generations", type=int, default=1)
     parser.add_argument("--mark-step", action="store_true")
+    parser.add_argument("--mlp", action="store_true")
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
     faulthandler.enable()  # a crash inside torch prints every thread's Python stack
@@ -55,9 +59,12 @@ def main() -> int:
             super().__init__()
             self.flex = flex
             self.qkv = torch.nn.Linear(heads * dim, 3 * heads * dim)
-            self.out = torch.nn.Linear(heads * dim, heads * dim)
+            # --mlp: qkv is the hidden layer, its whole width goes to `out`
+            self.out = torch.nn.Linear((3 if args.mlp else 1) * heads * dim, heads * dim)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if args.mlp:
+                return self.out(torch.nn.functional.gelu(self.qkv(x)))
             b = x.shape[0]
             q, k, v = self.qkv(x).view(b, seq, 3, heads, dim).permute(2, 0, 3, 1, 4)
             if self.flex:
@@ -129,6 +136,7 @@ def main() -> int:
     report = {
         "torch": torch.__version__,
         "disabled": os.environ.get("TORCHFIX_DISABLE", ""),
+        "model": "mlp" if args.mlp else "attention",
         "mark_step": args.mark_step,
         "generations": args.generations,
         "steps_done": done,
