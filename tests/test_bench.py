@@ -57,3 +57,23 @@ def test_trainer_rows_with_cuda_graphs_on_cuda_only():
     assert lines[1].startswith("+cg: --compile-mode reduce-overhead")
     assert lines[3].startswith("threads+cg   x3:") and "(x1.50 threads)" in lines[3]
     assert lines[4].startswith("processes+cg x3:") and lines[4].endswith("CUDA GRAPHS SKIPPED 2 TIMES")
+
+
+def test_real_target_builds_a_model_the_trainer_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from bench import real_target
+    from dflash_train.data import HFTokenizer
+
+    out = real_target.build(tmp_path / "target", shape="cpu")
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert sum(p.numel() for p in model.parameters()) == real_target.parameters("cpu")
+    assert model.config.vocab_size == real_target.VOCAB
+    tokenizer = HFTokenizer(str(out), model.config.vocab_size)
+    # DFlash's mask token and EOS are the tokenizer's own: no embedding row is added.
+    assert tokenizer.mask_token_id < real_target.VOCAB and tokenizer.eos_token_id != tokenizer.mask_token_id
+    text = "def step(x):\n    return x * 2  # é\n"
+    assert tokenizer.decode(tokenizer.encode(text)) == text  # byte-level: every input round-trips
+    weights = (out / "model.safetensors").stat().st_mtime_ns
+    assert real_target.build(out, shape="cpu") == out and (out / "model.safetensors").stat().st_mtime_ns == weights
+    assert real_target.parameters("gpu") == 838_932_480  # the shape the GPU benchmarks name "839 M"
