@@ -30,10 +30,12 @@ HAS_H4 = TORCH_VERSION.release < (2, 16)
 HAS_H5_FIX = TORCH_VERSION.release >= (2, 6)
 # Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
-# CUDA graph trees (2.1+): the tree containers exist only in the importing thread before 2.13; the
-# mark-step counter and the generation are process globals in every release so far (H7).
 # torch.export._trace's _EXPORT_MODULE_HIERARCHY (2.4+; _EXPORT_FLAGS, only for logs, from 2.3): globals to 2.15.
 HAS_EXPORT_TRACE = (2, 4) <= TORCH_VERSION.release < (2, 16)
+# torch._ops' pre-dispatch mode stack (2.3+), which non-strict export pushes onto: one for the process to 2.15.
+HAS_PRE_DISPATCH_MODES = (2, 3) <= TORCH_VERSION.release < (2, 16)
+# CUDA graph trees (2.1+): the tree containers exist only in the importing thread before 2.13; the
+# mark-step counter and the generation are process globals in every release so far (H7).
 HAS_H7_TREES = (2, 1) <= TORCH_VERSION.release < (2, 13)
 # A thread's trees stay in torch's C++ thread-local stash past its end in every release with trees (on
 # 2.1 - 2.12 a thread has none of its own without the fix, which the same scenario reports as the hazard).

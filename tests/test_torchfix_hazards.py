@@ -18,6 +18,7 @@ from conftest import (
     HAS_H7_TREES,
     HAS_H7_TREES_AT_END,
     HAS_NODE_META,
+    HAS_PRE_DISPATCH_MODES,
     HAS_RECHECK_FIX,
     HAS_STANCE,
     TORCH_CRASHES_ON_CONCURRENT_RECOMPILE,
@@ -86,6 +87,15 @@ def test_export_in_two_threads_at_once(disabled):
     if result is None:
         pytest.skip("this torch cannot export non-strict")
     assert result["hazard"] == (disabled and HAS_EXPORT_TRACE), result
+
+
+def test_eager_cond_while_another_thread_exports(disabled):
+    result = scenario("_selftest.pre_dispatch_elsewhere()", disabled, fix="pre-dispatch-modes")
+    if result is None:
+        pytest.skip("this torch has no pre-dispatch mode stack or no non-strict export")
+    assert result["hazard"] == (disabled and HAS_PRE_DISPATCH_MODES), result
+    if disabled and HAS_PRE_DISPATCH_MODES:
+        assert result["detail"].startswith("modes on the main thread's stack: 1;"), result
 
 
 def test_export_load_in_two_threads_at_once(disabled):

@@ -130,8 +130,9 @@ class _Default:
     * an immutable literal (a flag): shared by every thread, and inlined in the fast reads;
     * an object (``DynamoStance()``, a value its users replace, never change): one object shared by every
       thread, kept in the module as ``<name>_default`` for the fast reads;
-    * a mutable literal (``{}``, which its users fill in place): each thread gets its own, made on its
-      first read, and every read goes to the thread's.
+    * a mutable literal (``{}``, which its users fill in place), or an object its patch names as one its
+      users change in place (a mode stack): each thread gets its own, made on its first read, and every
+      read goes to the thread's.
     """
 
     source: str  # the expression, as the file spells it
@@ -283,22 +284,38 @@ class ThreadLocalGlobals(SourcePatch):
     """
 
     def __init__(
-        self, module: str, relpath: str, holder: str, attrs: dict[str, str], optional: frozenset[str] = frozenset()
+        self,
+        module: str,
+        relpath: str,
+        holder: str,
+        attrs: dict[str, str],
+        optional: frozenset[str] = frozenset(),
+        own: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__(module, relpath)
         self.holder = holder
         self.attrs = attrs  # global name -> attribute of the thread-local holder
         # Names some releases do not have yet (torch adds flags over time): moved where the file defines them.
         self.optional = optional
+        # Names whose object (not a literal) its users change in place: each thread gets one of its own,
+        # made by the file's expression; shared, one thread's change would show in all.
+        self.own = own
         self._moved: dict[str, str] = {}  # the attrs moved in the live module
 
     def _present(self, defined: object) -> dict[str, str]:
         return {name: attr for name, attr in self.attrs.items() if name not in self.optional or name in defined}
 
+    def _defaults(self, source: str, names: set[str]) -> dict[str, _Default]:
+        defaults = _module_level_defaults(source, names)
+        return {
+            name: dataclasses.replace(default, kind="own") if name in self.own else default
+            for name, default in defaults.items()
+        }
+
     def edits(self, source: str) -> list[Edit]:
         edits = []
         present = self._present(_module_level_names(source))
-        defaults = _module_level_defaults(source, set(present))
+        defaults = self._defaults(source, set(present))
         declarations: dict[int, ast.Global] = {}  # one `global a, b` may declare several moved names
         for name, attr in present.items():
             uses, declared = _global_uses(source, self.relpath, name)
@@ -337,7 +354,7 @@ class ThreadLocalGlobals(SourcePatch):
         # The file's initial values are every thread's defaults (the fast reads have the flags' inline); a
         # value set before the install (say a flag left stuck) stays the installing thread's own, and so
         # does the object a global holds (the stance set so far, the node meta being filled in).
-        defaults = _module_level_defaults(source, set(moved))
+        defaults = self._defaults(source, set(moved))
         shared, factories = {}, {}
         for name, default in defaults.items():
             if default.kind == "flag":

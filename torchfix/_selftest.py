@@ -334,27 +334,86 @@ def export_load_elsewhere(timeout: float = 60.0) -> Result | None:
     )
 
 
+def _export_call_graph(module: object) -> str:
+    """A non-strict export of ``module``: the fully qualified names of the program's module call graph (torch
+    2.2 records only ""), what the export raised, or "no non-strict export" where this torch has none."""
+    import torch
+
+    try:
+        program = torch.export.export(module, (torch.ones(1, 2),), strict=False)
+    except TypeError as exc:
+        if "strict" in str(exc):
+            return "no non-strict export"
+        raise
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {exc}"
+    return ",".join(entry.fqn for entry in program.module_call_graph)
+
+
+class _HeldExport:
+    """A thread inside a non-strict ``torch.export.export`` of a module (its submodule named ``held``) whose
+    forward waits there, until released. ``with _HeldExport(timeout) as held:`` returns once the thread is
+    inside the forward, or gave up (``held.inside`` False); on exit the export goes on, and ``held.outcome``
+    is what :func:`_export_call_graph` made of it."""
+
+    def __init__(self, timeout: float) -> None:
+        import torch
+
+        self.timeout = timeout
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.answers: list[str] = []
+        entered, release = self.entered, self.release
+
+        class Held(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.held = torch.nn.Linear(2, 2)
+
+            def forward(self, x):
+                if not entered.is_set():
+                    entered.set()
+                    release.wait(timeout)
+                return self.held(x)
+
+        module = Held()
+        self.thread = threading.Thread(
+            target=lambda: self.answers.append(_export_call_graph(module)), name="torchfix-selftest", daemon=True
+        )
+
+    @property
+    def inside(self) -> bool:
+        return self.entered.is_set()
+
+    @property
+    def outcome(self) -> str:
+        return self.answers[0] if self.answers else "no answer"
+
+    def __enter__(self) -> _HeldExport:
+        self.thread.start()
+        if not self.entered.wait(self.timeout):
+            self.thread.join(self.timeout)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release.set()
+        self.thread.join(self.timeout)
+
+
+def _export_never_held(held: _HeldExport, scenario: str) -> Result | None:
+    """The result of a scenario whose export never reached its forward: None where torch has no non-strict
+    export, a failure otherwise."""
+    return None if held.outcome == "no non-strict export" else Result(scenario, True, f"held export: {held.outcome}")
+
+
 def export_trace_elsewhere(timeout: float = 60.0) -> Result | None:
     """While thread A is inside ``torch.export.export`` (non-strict: its module's forward runs, and waits
     there), the main thread exports another module from start to end; then A's export goes on. Both must
     export, each with its own module call graph. None where this torch cannot export non-strict."""
     import torch
 
-    export = getattr(torch, "export", None)
-    if export is None or not hasattr(export, "export"):
+    if not hasattr(getattr(torch, "export", None), "export"):
         return None
-    inside, release = threading.Event(), threading.Event()
-
-    class Held(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.held = torch.nn.Linear(2, 2)
-
-        def forward(self, x):
-            if not inside.is_set():
-                inside.set()
-                release.wait(timeout)
-            return self.held(x)
+    scenario = "export trace (torch.export.export in two threads at once)"
 
     class Other(torch.nn.Module):
         def __init__(self) -> None:
@@ -364,34 +423,40 @@ def export_trace_elsewhere(timeout: float = 60.0) -> Result | None:
         def forward(self, x):
             return self.other(x)
 
-    def call_graph(module: torch.nn.Module) -> str:
-        """The fully qualified names of the program's module call graph (torch 2.2 records only ""), or
-        what the export raised."""
-        try:
-            program = export.export(module, (torch.ones(1, 2),), strict=False)
-        except TypeError as exc:
-            if "strict" in str(exc):
-                return "no non-strict export"
-            raise
-        except Exception as exc:
-            return f"raised {type(exc).__name__}: {exc}"
-        return ",".join(entry.fqn for entry in program.module_call_graph)
-
-    held: list[str] = []
-    thread = threading.Thread(target=lambda: held.append(call_graph(Held())), name="torchfix-selftest")
-    thread.start()
-    if not inside.wait(timeout):
-        thread.join(timeout)
-        return None if held == ["no non-strict export"] else Result("export trace", True, f"held export: {held}")
-    mine = call_graph(Other())
-    release.set()
-    thread.join(timeout)
-    theirs = (held or ["no answer"])[0]
+    with _HeldExport(timeout) as held:
+        if not held.inside:
+            return _export_never_held(held, scenario)
+        mine = _export_call_graph(Other())
+    theirs = held.outcome
     # Wrong: an export failed, or its call graph names the other thread's module.
     wrong = any(graph.startswith(("raised", "no answer")) for graph in (mine, theirs))
     wrong = wrong or "held" in mine.split(",") or "other" in theirs.split(",")
     detail = f"module call graphs: the main thread's {mine!r}, the held thread's {theirs!r}"
-    return Result("export trace (torch.export.export in two threads at once)", wrong, detail)
+    return Result(scenario, wrong, detail)
+
+
+def pre_dispatch_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A is inside a non-strict ``torch.export.export`` (pre-dispatch tracing, its forward
+    waiting there), the main thread counts the modes on its pre-dispatch stack and runs ``torch.cond``
+    eagerly; then A's export goes on. The main thread's stack must be empty, its ``torch.cond`` must run, and
+    A must export. None where this torch has no pre-dispatch mode stack or no non-strict export."""
+    import torch
+
+    if not hasattr(torch._ops, "_len_torch_dispatch_stack_pre_dispatch") or not hasattr(torch, "cond"):
+        return None
+    scenario = "pre-dispatch modes (eager torch.cond in one thread while another exports)"
+    with _HeldExport(timeout) as held:
+        if not held.inside:
+            return _export_never_held(held, scenario)
+        modes = torch._ops._len_torch_dispatch_stack_pre_dispatch()
+        try:
+            torch.cond(torch.tensor(True), lambda x: x.sin(), lambda x: x.cos(), (torch.ones(2),))
+            cond = "ran"
+        except Exception as exc:
+            cond = f"raised {type(exc).__name__}: {str(exc)[:200]}"
+    wrong = modes != 0 or cond != "ran" or held.outcome.startswith(("raised", "no answer"))
+    detail = f"modes on the main thread's stack: {modes}; its torch.cond {cond}; the held export: {held.outcome[:300]}"
+    return Result(scenario, wrong, detail)
 
 
 def _module_slots() -> dict[str, object]:
@@ -768,8 +833,9 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("H2", lambda: h2_stuck_flag(timeout)),
         ("H4 cond", lambda: h4_trace_patches_leak("cond", timeout)),
         ("H4 symbolic_trace", lambda: h4_trace_patches_leak("symbolic_trace", timeout)),
-        # Last: two exports at once leave torch's process-wide pre-dispatch mode stack dirty (not fixed yet:
-        # docs/torch-2.15-globals.md), and an eager torch.cond fails after that.
+        # Last: without pre-dispatch-modes, an export held open while another thread works leaves torch's
+        # process-wide pre-dispatch mode stack dirty, and every eager torch.cond fails after that.
+        ("pre-dispatch modes", lambda: pre_dispatch_elsewhere(timeout)),
         ("export trace", lambda: export_trace_elsewhere(timeout)),
     ]
     results = []

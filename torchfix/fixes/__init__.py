@@ -13,6 +13,7 @@ from . import (
     export_trace_state,
     fx_node_meta,
     fx_tracing_flag,
+    pre_dispatch_modes,
     trace_patch_isolation,
 )
 
@@ -26,6 +27,7 @@ ALL: list[Fix] = [
     fx_node_meta.FIX,
     export_deserializer.FIX,
     export_trace_state.FIX,
+    pre_dispatch_modes.FIX,
     cudagraph_thread_trees.FIX,
     cudagraph_tree_callable.FIX,
     cudagraph_step_counters.FIX,

@@ -1,0 +1,36 @@
+"""pre-dispatch-modes: the modes pre-dispatch tracing pushes belong to the thread that traces.
+
+Pre-dispatch tracing (non-strict ``torch.export.export``, ``make_fx(pre_dispatch=True)``) pushes its proxy
+and functional modes onto a stack of torch's own, ``torch._ops._mode_stack_state_for_pre_dispatch``: one
+object for the process (torch 2.3+), while the dispatch key that routes ops to it is in C++ thread-local
+state. So while one thread exports, every other thread sees the exporter's modes on "its" stack: an eager
+higher-order op there (``torch.cond``, eager flex attention) finds the exporter's proxy mode and traces into
+the other thread's graph, which then fails ("fake mode ... doesn't match mode", "parent_tracer.fx_tracer
+should not be None"), and two exports pop each other's modes ("Trying to pop empty mode stack",
+"ProxyTorchDispatchMode slot already occupied"). Still so in 2.15.
+
+Every thread gets a stack of its own (``_ops._pre_dispatch_tls``), made on its first use; torch reads the
+stack only through ``mode_stack_state_for_pre_dispatch()``, so one moved global covers it.
+"""
+
+from __future__ import annotations
+
+from packaging.specifiers import SpecifierSet
+
+from .._fix import Fix
+from .._patch import ThreadLocalGlobals, moved_global_probe
+
+MODULE = "torch._ops"
+HOLDER = "_pre_dispatch_tls"
+STACK = "_mode_stack_state_for_pre_dispatch"
+
+FIX = Fix(
+    name="pre-dispatch-modes",
+    hazard="while one thread exports (pre-dispatch tracing), eager torch.cond in another thread traces into its "
+    "graph and breaks the export; two exports pop each other's modes",
+    versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
+    probe=moved_global_probe(MODULE, HOLDER, STACK, f"{MODULE} has no pre-dispatch mode stack (before 2.3)"),
+    patches=lambda _torch_version: [
+        ThreadLocalGlobals(MODULE, "torch/_ops.py", HOLDER, {STACK: "mode_stack"}, own=frozenset({STACK}))
+    ],
+)
