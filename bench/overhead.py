@@ -7,6 +7,7 @@ Goal: compiled-call rate with torchfix / without >= 0.99.
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -91,19 +92,24 @@ def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
     }
 
 
-def _import_seconds(code: str, repeats: int) -> float:
+def _import_seconds(code: str, repeats: int, **env: str) -> float:
     times = []
     for _ in range(repeats):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-        times.append(float(out))
+        environ = {**os.environ, **env}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ)
+        times.append(float(out.stdout))
     return statistics.median(times)
 
 
 def import_cost(repeats: int) -> dict[str, float]:
+    """Medians over ``repeats`` fresh interpreters. The first run with the cache on fills it (unless an
+    earlier one did), so its median is a warm start's."""
     timed = "import time; t = time.perf_counter(); {body}; print(time.perf_counter() - t)"
+    after_torch = "import torch; " + timed.format(body="import torchfix")
     return {
-        "import_torchfix_after_torch_ms": 1e3
-        * _import_seconds("import torch; " + timed.format(body="import torchfix"), repeats),
+        "import_torchfix_after_torch_ms": 1e3 * _import_seconds(after_torch, repeats),
+        "import_torchfix_after_torch_uncached_ms": 1e3 * _import_seconds(after_torch, repeats, TORCHFIX_CACHE="0"),
+        "import_torchfix_after_torch_disabled_ms": 1e3 * _import_seconds(after_torch, repeats, TORCHFIX_DISABLE="1"),
         "import_torch_ms": 1e3 * _import_seconds(timed.format(body="import torch"), repeats),
         "import_torchfix_then_torch_ms": 1e3 * _import_seconds(timed.format(body="import torchfix, torch"), repeats),
     }
@@ -146,7 +152,9 @@ def table(result: dict) -> str:
         f"{work['calls_without_torchfix']} without"
     )
     lines += [
-        f"import torchfix (torch already imported): {result['import_torchfix_after_torch_ms']:.1f} ms",
+        f"import torchfix (torch already imported): {result['import_torchfix_after_torch_ms']:.1f} ms "
+        f"(without its cache {result['import_torchfix_after_torch_uncached_ms']:.0f} ms; with every fix disabled "
+        f"{result['import_torchfix_after_torch_disabled_ms']:.1f} ms)",
         f"import torch: {result['import_torch_ms']:.0f} ms; "
         f"import torchfix, torch: {result['import_torchfix_then_torch_ms']:.0f} ms",
     ]

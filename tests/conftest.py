@@ -32,8 +32,9 @@ HAS_H5_FIX = TORCH_VERSION.release >= (2, 6)
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
 # torch.export._trace's _EXPORT_MODULE_HIERARCHY (2.4+; _EXPORT_FLAGS, only for logs, from 2.3): globals to 2.15.
 HAS_EXPORT_TRACE = (2, 4) <= TORCH_VERSION.release < (2, 16)
-# torch._ops' pre-dispatch mode stack (2.3+), which non-strict export pushes onto: one for the process to 2.15.
-HAS_PRE_DISPATCH_MODES = (2, 3) <= TORCH_VERSION.release < (2, 16)
+# torch._ops' pre-dispatch mode stack (2.3+) is one for the process to 2.15; torch.export.export pushes onto it
+# from 2.4 (2.3 exports without pre-dispatch tracing: only make_fx(pre_dispatch=True) uses the stack there).
+HAS_PRE_DISPATCH_MODES = (2, 4) <= TORCH_VERSION.release < (2, 16)
 # CUDA graph trees (2.1+): the tree containers exist only in the importing thread before 2.13; the
 # mark-step counter and the generation are process globals in every release so far (H7).
 HAS_H7_TREES = (2, 1) <= TORCH_VERSION.release < (2, 13)

@@ -19,6 +19,7 @@ import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
+from ._cache import cached, digest
 from ._source import Edit, PatchedFile, ShapeError, iter_code, live_functions, parse, replace_node, segment
 
 _GLOBAL_OPS = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"}
@@ -72,11 +73,22 @@ class SourcePatch:
         """One line for the diff header: what the patch does beyond the text edits."""
         return f"{self.relpath}: the edited functions' code is swapped in place (__code__)"
 
+    def cached_edits(self, source: str) -> list[Edit]:
+        """``edits(source)``, kept between processes (``_cache``): edits are a function of the file's text and
+        of the patch's settings alone, which the key holds. A patch whose settings have no stable text
+        (an object's default repr) is not cached."""
+        settings = repr(sorted((k, _stable(v)) for k, v in vars(self).items() if not k.startswith("_")))
+        if " at 0x" in settings:
+            return self.edits(source)
+        identity = f"{type(self).__module__}.{type(self).__qualname__}{settings}"
+        rows = cached("edits", (identity, digest(source)), lambda: [dataclasses.astuple(e) for e in self.edits(source)])
+        return [Edit(*row) for row in rows]
+
     def apply(self) -> None:
         module = importlib.import_module(self.module_name)
         source = read_source(module)
         patched_file = PatchedFile.of(module, source)
-        swap_in = patched_file.add(self, self.edits(source))  # checks everything, changes nothing
+        swap_in = patched_file.add(self, self.cached_edits(source))  # checks everything, changes nothing
         helpers = self.helpers()
         taken = sorted(name for name in helpers if name in vars(module))
         if taken:
@@ -108,6 +120,15 @@ class SourcePatch:
 
     def _remove_state(self, module: types.ModuleType) -> None:
         pass
+
+
+def _stable(value: object) -> object:
+    """``value`` with its sets sorted: their order changes between processes (string hashing is random)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items()}
+    return value
 
 
 def _module_level_names(source: str) -> set[str]:
@@ -148,7 +169,16 @@ class _Default:
 
 
 def _module_level_defaults(source: str, names: set[str]) -> dict[str, _Default]:
-    """The defaults of ``names``, from their module-level assignments."""
+    """The defaults of ``names``, from their module-level assignments (kept between processes: ``_cache``)."""
+    rows = cached(
+        "defaults",
+        (digest(source), repr(sorted(names))),
+        lambda: {name: dataclasses.astuple(default) for name, default in _parse_defaults(source, names).items()},
+    )
+    return {name: _Default(*row) for name, row in rows.items()}
+
+
+def _parse_defaults(source: str, names: set[str]) -> dict[str, _Default]:
     found = {}
     for node in parse(source).body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
@@ -507,7 +537,7 @@ class AttributeUses(SourcePatch):
     def apply(self) -> None:
         # Import the module only where it needs edits: some are costly (torch.export._trace: 1.5 s).
         source = source_without_import(self.module_name)
-        if source is not None and self.edits(source):
+        if source is not None and self.cached_edits(source):
             super().apply()
 
     def verify(self) -> None:

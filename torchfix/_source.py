@@ -19,8 +19,10 @@ import difflib
 import functools
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import ClassVar
+
+from ._cache import cached, digest
 
 
 class ShapeError(Exception):
@@ -282,26 +284,39 @@ class PatchedFile:
     def is_applied(self, owner: object) -> bool:
         return owner in self.layers and all(func.__code__ is code for func, code in self.installed.items())
 
-    def _plan(self, layers: dict[object, list[Edit]]) -> Callable[[], None]:
-        """The swaps that give every live function the code of the file with ``layers`` applied."""
-        module, filename = self.module, self.module.__file__
-        edits = [edit for layer in layers.values() for edit in layer]
+    def _compile(self, edits: list[Edit]) -> tuple[types.CodeType, set[tuple[str, int]], set[tuple[str, str, int]]]:
+        """The edited file's code, the (name, first line) of the edited nested functions, and the (qualified
+        name, name, first line) of the module-level functions and methods the edits are in."""
+        filename = self.module.__file__
         tree = parse(self.source)
         try:
             compiled = compile(apply_edits(self.source, edits), filename, "exec", dont_inherit=True)
         except SyntaxError as exc:
             raise ShapeError(f"the edited {filename} does not compile: {exc}") from exc
+        nested = nested_functions_around(tree, {e.line for e in edits})
+        outermost = {
+            (qualname, node.name, first_line(node))
+            for qualname, node in (outermost_function(tree, e.line) for e in edits)
+        }
+        return compiled, nested, outermost
+
+    def _plan(self, layers: dict[object, list[Edit]]) -> Callable[[], None]:
+        """The swaps that give every live function the code of the file with ``layers`` applied."""
+        module, filename = self.module, self.module.__file__
+        edits = [edit for layer in layers.values() for edit in layer]
+        # Parsing and compiling a torch file is most of an import's cost: kept between processes (_cache),
+        # keyed by the file's path (compiled into the code) and text, and by the edits.
+        key = (filename, digest(self.source), digest(repr(sorted(astuple(e) for e in edits))))
+        compiled, nested, outermost = cached("compiled", key, lambda: self._compile(edits))
         new_codes = {(c.co_name, c.co_firstlineno): c for c in iter_code(compiled)}
 
         target: dict[types.FunctionType, types.CodeType] = {}
-        nested = nested_functions_around(tree, {e.line for e in edits})
         for func in live_functions(module) if nested else ():  # live closures of edited nested functions
             original = self.original.get(func, func.__code__)
             key = (original.co_name, original.co_firstlineno)
             if key in nested and key in new_codes and new_codes[key].co_freevars == original.co_freevars:
                 target[func] = new_codes[key]
-        for qualname, node in {outermost_function(tree, e.line) for e in edits}:
-            line = first_line(node)
+        for qualname, name, line in outermost:
             func = resolve_function(module, qualname, filename, line)
             original = self.original.get(func, func.__code__)
             if original.co_firstlineno != line:
@@ -309,7 +324,7 @@ class PatchedFile:
                     f"{module.__name__}.{qualname}: the live function starts at line "
                     f"{original.co_firstlineno}, the file at {line}: source and module differ"
                 )
-            new_code = new_codes[(node.name, line)]
+            new_code = new_codes[(name, line)]
             if new_code.co_freevars != original.co_freevars:
                 raise ShapeError(f"{module.__name__}.{qualname}: the edit changed the function's closure")
             target[func] = new_code
