@@ -1,5 +1,5 @@
-"""python -m bench [overhead] [coldstart] [trainer] [cudagraphs] [--device DEV] [--quick] [--out DIR]: print a table and
-write JSON per benchmark."""
+"""python -m bench [overhead] [coldstart] [trainer] [cudagraphs] [cost] [--device DEV] [--quick] [--out DIR]: print a
+table and write JSON per benchmark."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import argparse
 import json
 from pathlib import Path
 
-from . import coldstart, cudagraphs, overhead, trainer
+from . import coldstart, cost, cudagraphs, overhead, trainer
 
-BENCHMARKS = {"overhead": overhead, "coldstart": coldstart, "trainer": trainer, "cudagraphs": cudagraphs}
+BENCHMARKS = {"overhead": overhead, "coldstart": coldstart, "trainer": trainer, "cudagraphs": cudagraphs, "cost": cost}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="device for coldstart and trainer (cpu, cuda:0, ...)")
     parser.add_argument("--runs", type=int, default=3, help="runs per configuration of cudagraphs")
     parser.add_argument("--configs", default="", help="cudagraphs: indices of the configurations to run (0,1,...)")
+    parser.add_argument("--pairs", type=int, default=5, help="cost: ABBA pairs of runs with torchfix on and off")
+    parser.add_argument("--fixes", action="store_true", help="cost: also one run with each fix disabled in turn")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -27,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         options = {"device": args.device} if name in ("coldstart", "trainer") else {}
         if name == "cudagraphs":
             options = {"runs": args.runs, "configs": args.configs}
+        if name == "cost":
+            options = {"device": args.device, "pairs": args.pairs, "fixes": args.fixes}
         result = BENCHMARKS[name].run(quick=args.quick, **options)
         print(f"== {name}\n{BENCHMARKS[name].table(result)}")
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))

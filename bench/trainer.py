@@ -85,12 +85,23 @@ def one(
     seq_len: int,
     quick: bool,
     compile_mode: str = "default",
+    *,
+    disable: str = "",
+    extra: tuple[str, ...] = (),
+    compile_caches: Path | None = None,
 ) -> dict:
+    """One run of the trainer. ``disable``: TORCHFIX_DISABLE for a ``threads`` run; ``extra``: more trainer
+    flags (a later flag wins); ``compile_caches``: Inductor/Triton caches to share with other runs (default:
+    fresh ones)."""
     label = mode + MODE_SUFFIX[compile_mode]
     out = Path(tempfile.mkdtemp(prefix=f"bench-{label}{replicas}-"))
+    caches = compile_caches or out
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-    env.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"), TRITON_CACHE_DIR=str(out / "triton"))
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
     flags = [*_flags(device, 1 if mode == "processes" else replicas, steps, batch, seq_len, quick), f"--out-dir={out}"]
+    flags += extra
+    if disable:
+        env["TORCHFIX_DISABLE"] = disable
     if compile_mode != "default":
         flags.append(f"--compile-mode={compile_mode}")
     if quick:

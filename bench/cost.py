@@ -1,0 +1,107 @@
+"""What torchfix costs a whole training step: dflash_train with one drafter thread, torchfix on vs off.
+
+One target thread and one drafter thread on one device (no thread hazard at all, so torchfix can only
+cost), at a realistic width: the target from :mod:`bench.real_target` (839 M parameters on CUDA, a 10 M
+one on the CPU), a 5-layer drafter with block 16 and 64 anchors over 1024-token sequences on CUDA (smaller
+on the CPU). Runs alternate in ABBA order (on, off, off, on, ...) so that drift of the machine falls on both
+sides; each pair gives one on/off ratio of tokens/s, and the result is the ratio of the medians with the
+pairs' spread. ``--fixes`` adds one run per fix with only that fix disabled, against the median of the
+runs with all of them on.
+
+All runs share one Inductor/Triton cache, filled by a first run that is not counted: what is measured is
+the steady step, not compilation, and every counted run then compiles the same way.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+
+from . import real_target
+from .trainer import one
+
+# (steps, global batch, sequence length, trainer flags) per device kind
+SIZES = {
+    "cuda": (80, 12, 1024, ("--drafter-layers=5", "--block-size=16", "--num-anchors=64")),
+    "cpu": (12, 4, 256, ("--drafter-layers=2", "--block-size=8", "--num-anchors=8")),
+}
+
+
+def run(quick: bool = False, device: str = "cpu", pairs: int = 5, fixes: bool = False) -> dict[str, object]:
+    import torch
+
+    import torchfix
+
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    steps, batch, seq_len, flags = SIZES[kind]
+    if quick:
+        steps, batch, seq_len, pairs, flags = 3, 2, 64, 1, ("--drafter-layers=1", "--num-anchors=2")
+    work = Path(tempfile.mkdtemp(prefix="bench-cost-"))
+    target = real_target.build(work / "target", shape="gpu" if kind == "cuda" and not quick else "cpu")
+    extra = (
+        f"--target={target}",
+        "--regenerate=0",
+        "--drafter-threads-per-device=1",
+        f"--cache-dir={work / 'cache'}",
+        *flags,
+    )
+
+    def measure(disable: str) -> dict:
+        row = one("threads", 1, device, steps, batch, seq_len, False, extra=extra, compile_caches=work, disable=disable)
+        return row | {"disabled": disable}
+
+    warmup = measure("")  # fills the compile caches; not counted
+    runs = [
+        measure("" if order in ("on", "on2") else "1") for _ in range(pairs) for order in ("on", "off", "off2", "on2")
+    ]
+    on = [r.get("tokens_per_s") or 0.0 for r in runs if r["disabled"] == ""]
+    off = [r.get("tokens_per_s") or 0.0 for r in runs if r["disabled"] == "1"]
+    pair_ratios = [(a + b) / (c + d) for a, b, c, d in zip(on[0::2], on[1::2], off[0::2], off[1::2]) if c + d]
+    result: dict[str, object] = {
+        "torch": str(torch.__version__),
+        "device": device,
+        "target_parameters": real_target.parameters("gpu" if kind == "cuda" and not quick else "cpu"),
+        "steps": steps,
+        "global_batch": batch,
+        "seq_len": seq_len,
+        "warmup": warmup,
+        "runs": runs,
+        "on_tokens_per_s": on,
+        "off_tokens_per_s": off,
+        "ratio_of_medians": statistics.median(on) / statistics.median(off) if off and statistics.median(off) else None,
+        "pair_ratios": pair_ratios,
+    }
+    if fixes:
+        base = statistics.median(on)
+        result["one_fix_disabled"] = [
+            measure(status.name) | {"vs_all_on": None}
+            for status in torchfix.status()
+            if status.state.value in ("applied", "pending import")
+        ]
+        for row in result["one_fix_disabled"]:
+            row["vs_all_on"] = (row.get("tokens_per_s") or 0.0) / base if base else None
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"torch {result['torch']}, {result['device']}, target {result['target_parameters'] / 1e6:.0f} M parameters, "
+        f"1 drafter thread, {result['steps']} steps, global batch {result['global_batch']} x {result['seq_len']}"
+    ]
+    failed = [r for r in [result["warmup"], *result["runs"]] if "error" in r]
+    lines += [f"a run failed (TORCHFIX_DISABLE={r['disabled']!r}): {r['error']}" for r in failed]
+    on, off = result["on_tokens_per_s"], result["off_tokens_per_s"]
+    lines.append("tokens/s with torchfix:    " + ", ".join(f"{v:,.0f}" for v in on))
+    lines.append("tokens/s without torchfix: " + ", ".join(f"{v:,.0f}" for v in off))
+    if result["ratio_of_medians"] is not None:
+        spread = result["pair_ratios"]
+        lines.append(
+            f"with / without: {result['ratio_of_medians']:.4f} (medians); ABBA pairs {min(spread):.4f} - "
+            f"{max(spread):.4f}"
+        )
+    for row in result.get("one_fix_disabled", []):
+        lines.append(
+            f"without {row['disabled']}: {row.get('tokens_per_s') or 0:,.0f} tokens/s (x{row['vs_all_on']:.4f})"
+        )
+    return "\n".join(lines)
