@@ -8,6 +8,7 @@ proves nothing); with torchfix it must be gone.
 import pytest
 from conftest import (
     HAS_EXPORT_LOAD,
+    HAS_EXPORT_SAVE,
     HAS_EXPORT_TRACE,
     HAS_H1,
     HAS_H2,
@@ -87,6 +88,15 @@ def test_export_in_two_threads_at_once(disabled):
     if result is None:
         pytest.skip("this torch cannot export non-strict")
     assert result["hazard"] == (disabled and HAS_EXPORT_TRACE), result
+
+
+def test_export_save_in_two_threads_at_once(disabled):
+    result = scenario("_selftest.export_save_elsewhere()", disabled, fix="export-save")
+    if result is None:
+        pytest.skip("this torch does not pickle an exported program's example inputs (2.4+)")
+    assert result["hazard"] == (disabled and HAS_EXPORT_SAVE), result
+    if disabled and HAS_EXPORT_SAVE:
+        assert "Refusing to stomp on existing FakeTensor reducer" in result["detail"], result
 
 
 def test_eager_cond_while_another_thread_exports(disabled):

@@ -1,0 +1,75 @@
+"""export-save: ``torch.export.save`` in several threads at once.
+
+``torch._export.serde.serialize.serialize_torch_artifact`` pickles each part of an exported program (state
+dict, constants, example inputs) with a reducer for ``FakeTensor`` that it registers for the time of the
+pickling in the standard library's ``copyreg.dispatch_table``, one table for the process, and it refuses
+to start while that reducer is registered. So of two threads saving at once, the second raises
+``AssertionError: Refusing to stomp on existing FakeTensor reducer``, or the first removes the reducer while
+the second still pickles (the soak: 180 failed saves in 10 minutes on torch 2.12 with every other fix on).
+Still so in 2.15.
+
+The reducer is process state that pickle reads, so it cannot be made per thread: the module's calls of
+``serialize_torch_artifact`` go through ``_torchfix_serialize_alone`` instead, which holds one process-wide
+lock around it. Saves pickle one part at a time; loads, and everything else, are not serialised.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import threading
+
+from packaging.specifiers import SpecifierSet
+
+from .._fix import Fix
+from .._patch import SourcePatch
+from .._source import Edit, ShapeError, parse, replace_node
+
+MODULE = "torch._export.serde.serialize"
+SERIALIZE = "serialize_torch_artifact"
+ALONE = "_torchfix_serialize_alone"
+
+_one_at_a_time = threading.Lock()
+
+
+def _serialize_alone(*args: object, **kwargs: object) -> bytes:
+    """``serialize_torch_artifact``, one thread at a time (its FakeTensor reducer is process-wide)."""
+    with _one_at_a_time:
+        return getattr(importlib.import_module(MODULE), SERIALIZE)(*args, **kwargs)
+
+
+class _SaveAlone(SourcePatch):
+    def __init__(self) -> None:
+        super().__init__(MODULE, "torch/_export/serde/serialize.py")
+
+    def describe(self) -> str:
+        return super().describe() + f"; adds {ALONE} (one process-wide lock around {SERIALIZE})"
+
+    def edits(self, source: str) -> list[Edit]:
+        calls = [
+            node.func
+            for node in ast.walk(parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == SERIALIZE
+        ]
+        if not calls:
+            raise ShapeError(f"{self.relpath}: no call of {SERIALIZE}")
+        return [replace_node(call, ALONE) for call in calls]
+
+    def helpers(self) -> dict[str, object]:
+        return {ALONE: _serialize_alone}
+
+
+def _probe() -> str | None:
+    module = importlib.import_module(MODULE)
+    return None if hasattr(module, SERIALIZE) else f"{MODULE} has no {SERIALIZE} (before torch 2.3)"
+
+
+FIX = Fix(
+    name="export-save",
+    hazard="torch.export.save in two threads at once raises AssertionError: Refusing to stomp on existing "
+    "FakeTensor reducer",
+    versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
+    probe=_probe,
+    patches=lambda _torch_version: [_SaveAlone()],
+    trigger=MODULE,
+)
