@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 
 from ._config import invalidate_config_caches
 from ._source import ShapeError
@@ -15,7 +16,17 @@ from ._source import ShapeError
 _UNSET = object()
 
 
-class ConfigDefault:
+class _DefaultChange:
+    """What both kinds share: they always change something, and change no text (their diff-header line,
+    ``describe()``, says it all)."""
+
+    patched = True
+
+    def diff(self, read_source: Callable[[str], str]) -> str:
+        return ""
+
+
+class ConfigDefault(_DefaultChange):
     """The process-wide default of a ``torch.utils._config_module`` entry, for every thread.
 
     From torch 2.12 a config assignment (``torch._functorch.config.x = v``) is a per-thread override
@@ -23,8 +34,6 @@ class ConfigDefault:
     ``default`` is what every thread without an override of its own reads, so that is what we change.
     An explicit user setting still wins, in the thread that made it.
     """
-
-    patched = True
 
     def __init__(self, module: str, name: str, value: object) -> None:
         self.module_name, self.name, self.value = module, name, value
@@ -62,10 +71,8 @@ class ConfigDefault:
             raise ShapeError(f"{self.module_name}.{self.name} reads {seen} in a new thread, not {self.value!r}")
 
 
-class KeywordDefault:
+class KeywordDefault(_DefaultChange):
     """The default of a keyword-only parameter of a torch function (``__kwdefaults__``)."""
-
-    patched = True
 
     def __init__(self, module: str, function: str, parameter: str, value: object) -> None:
         self.module_name, self.function, self.parameter, self.value = module, function, parameter, value

@@ -10,9 +10,6 @@ from typing import Protocol
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from ._patch import SourcePatch
-from ._source import apply_edits, unified_diff
-
 
 class Patch(Protocol):
     """What every patch does: source patches (``_patch``) and default changes (``_defaults``)."""
@@ -27,6 +24,10 @@ class Patch(Protocol):
     def verify(self) -> None: ...  # raises when the patch is not in effect
 
     def describe(self) -> str: ...  # one line for the diff header
+
+    # The unified diff of its edits to a release whose files ``read_source`` gives ("" for a default change,
+    # or a file the release lacks); raises ShapeError where the source is not the expected shape.
+    def diff(self, read_source: Callable[[str], str]) -> str: ...
 
 
 class State(str, enum.Enum):
@@ -107,21 +108,9 @@ class Fix:
 
         Raises ShapeError where the source is not the shape the fix expects.
         """
-        parts = [f"# torchfix fix {self.name}: {self.hazard}\n"]
         patches = self.patches(torch_version)
-        for patch in patches:
-            parts.append(f"# {patch.describe()}\n")
-        for patch in patches:
-            if not isinstance(patch, SourcePatch):
-                continue  # a default change: its header line says it all
-            try:
-                source = read_source(patch.relpath)
-            except OSError:
-                if patch.may_be_absent:
-                    continue
-                raise
-            parts.append(unified_diff(patch.relpath, source, apply_edits(source, patch.edits(source))))
-        return "".join(parts)
+        header = [f"# torchfix fix {self.name}: {self.hazard}\n", *(f"# {patch.describe()}\n" for patch in patches)]
+        return "".join(header + [patch.diff(read_source) for patch in patches])
 
     def _status(self, state: State, reason: str) -> FixStatus:
         return FixStatus(self.name, state, reason)

@@ -20,7 +20,18 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
 from ._cache import cached, digest
-from ._source import Edit, PatchedFile, ShapeError, iter_code, live_functions, parse, replace_node, segment
+from ._source import (
+    Edit,
+    PatchedFile,
+    ShapeError,
+    apply_edits,
+    iter_code,
+    live_functions,
+    parse,
+    replace_node,
+    segment,
+    unified_diff,
+)
 
 _GLOBAL_OPS = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"}
 
@@ -72,6 +83,15 @@ class SourcePatch:
     def describe(self) -> str:
         """One line for the diff header: what the patch does beyond the text edits."""
         return f"{self.relpath}: the edited functions' code is swapped in place (__code__)"
+
+    def diff(self, read_source: Callable[[str], str]) -> str:
+        try:
+            source = read_source(self.relpath)
+        except OSError:
+            if self.may_be_absent:
+                return ""
+            raise
+        return unified_diff(self.relpath, source, apply_edits(source, self.edits(source)))
 
     def cached_edits(self, source: str) -> list[Edit]:
         """``edits(source)``, kept between processes (``_cache``): edits are a function of the file's text and

@@ -148,6 +148,22 @@ def _skip_in_dynamo(eval_frame: types.ModuleType) -> None:
     eval_frame.skip_code(_DISPATCH_CODE)
 
 
+_skip_hook_registered = False  # one post-import hook per process, however often the fix is installed
+
+
+def _skip_in_dynamo_when_imported() -> None:
+    """Skip the dispatcher in Dynamo now, or when Dynamo is imported. A skipped code object stays skipped
+    after uninstall, which is harmless (nothing runs it then); wrapt cannot remove a hook, so it is
+    registered once rather than once per install."""
+    global _skip_hook_registered
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None:
+        _skip_in_dynamo(eval_frame)
+    elif not _skip_hook_registered:
+        _skip_hook_registered = True
+        wrapt.register_post_import_hook(_skip_in_dynamo, "torch._dynamo.eval_frame")
+
+
 def _slot_write(source: str, stmt: ast.stmt) -> tuple[str, str, str | None] | None:
     """``(owner, name, value)`` texts of ``owner[name] = value`` or ``setattr(owner, name, value)``;
     value None for ``del owner[name]``. None for any other statement."""
@@ -243,8 +259,7 @@ class _IsolationPatch(ThreadLocalGlobals):
 
     def _install_state(self, module: types.ModuleType, source: str) -> None:
         super()._install_state(module, source)
-        # When Dynamo is imported (now, if it is already); skipping a code object is harmless after uninstall.
-        wrapt.register_post_import_hook(_skip_in_dynamo, "torch._dynamo.eval_frame")
+        _skip_in_dynamo_when_imported()
 
 
 def _probe() -> str | None:
