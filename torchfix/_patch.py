@@ -318,6 +318,19 @@ def moved_global_probe(module: str, holder: str, name: str, absent: str) -> Call
     return probe
 
 
+def _accesses_left(module: types.ModuleType, opnames: set[str], names: set[str]) -> list[str]:
+    """The instructions of ``opnames`` on ``names`` still in the module's live functions, as
+    "function: OPNAME name": what a patch that rewrote every such access must not find."""
+    return [
+        f"{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}: {ins.opname} {ins.argval}"
+        for func in live_functions(module)
+        for code in iter_code(func.__code__)
+        if not names.isdisjoint(code.co_names)  # disassemble only code that names them
+        for ins in dis.get_instructions(code)
+        if ins.opname in opnames and ins.argval in names
+    ]
+
+
 class ThreadLocalGlobals(SourcePatch):
     """Make module globals per-thread: ``module.NAME`` becomes ``module.HOLDER.ATTR``.
 
@@ -441,14 +454,7 @@ class ThreadLocalGlobals(SourcePatch):
     def verify(self) -> None:
         super().verify()
         module = self._module
-        left = [
-            f"{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}: {ins.opname} {ins.argval}"
-            for func in live_functions(module)
-            for code in iter_code(func.__code__)
-            if not self.attrs.keys().isdisjoint(code.co_names)  # disassemble only code that names them
-            for ins in dis.get_instructions(code)
-            if ins.opname in _GLOBAL_OPS and ins.argval in self._moved
-        ]
+        left = _accesses_left(module, _GLOBAL_OPS, set(self._moved))
         if left:
             raise ShapeError(f"{module.__name__}: global access left after patching: {', '.join(left)}")
         if any(name in vars(module) for name in self._moved):
@@ -564,14 +570,7 @@ class AttributeUses(SourcePatch):
         if self._module is None:
             return  # nothing to patch in this release
         super().verify()
-        left = [
-            f"{code.co_name}: {ins.opname} {ins.argval}"
-            for func in live_functions(self._module)
-            for code in iter_code(func.__code__)
-            if not self.attrs.keys().isdisjoint(code.co_names)
-            for ins in dis.get_instructions(code)
-            if ins.opname in ("LOAD_ATTR", "STORE_ATTR") and ins.argval in self.attrs
-        ]
+        left = _accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs))
         if left:
             raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
 
