@@ -573,18 +573,3 @@ class AttributeUses(SourcePatch):
         left = _accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs))
         if left:
             raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
-
-
-def nested_function(tree: ast.AST, path: list[str]) -> ast.FunctionDef:
-    """The function reached by following ``path`` (names of nested defs) from ``tree``."""
-    node = tree
-    for name in path:
-        found = [
-            child
-            for child in ast.walk(node)
-            if isinstance(child, ast.FunctionDef) and child.name == name and child is not node
-        ]
-        if len(found) != 1:
-            raise ShapeError(f"expected one function {name!r} on the path {'.'.join(path)}, found {len(found)}")
-        node = found[0]
-    return node

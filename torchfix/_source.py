@@ -64,6 +64,21 @@ def definitions(source: str) -> dict[str, ast.FunctionDef]:
     return found
 
 
+def nested_function(tree: ast.AST, path: list[str]) -> ast.FunctionDef:
+    """The function reached by following ``path`` (names of nested defs) from ``tree``."""
+    node = tree
+    for name in path:
+        found = [
+            child
+            for child in ast.walk(node)
+            if isinstance(child, ast.FunctionDef) and child.name == name and child is not node
+        ]
+        if len(found) != 1:
+            raise ShapeError(f"expected one function {name!r} on the path {'.'.join(path)}, found {len(found)}")
+        node = found[0]
+    return node
+
+
 @functools.lru_cache(maxsize=4)
 def _encoded_lines(source: str) -> list[bytes]:
     return [line.encode() for line in source.splitlines(keepends=True)]

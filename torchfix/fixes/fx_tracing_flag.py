@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from packaging.specifiers import SpecifierSet
 
 from .._fix import Fix
-from .._patch import AttributeUses, SourcePatch, ThreadLocalGlobals, nested_function
-from .._source import Edit, ShapeError, definitions, insert_at, parse
+from .._patch import AttributeUses, SourcePatch, ThreadLocalGlobals
+from .._source import Edit, ShapeError, definitions, insert_at, nested_function, parse
 
 MODULE = "torch.fx._symbolic_trace"
 FLAG = "_is_fx_tracing_flag"
