@@ -18,6 +18,7 @@ from conftest import (
     HAS_H7_COUNTERS,
     HAS_H7_TREES,
     HAS_H7_TREES_AT_END,
+    HAS_MAKE_FX_TRACER,
     HAS_NODE_META,
     HAS_PRE_DISPATCH_MODES,
     HAS_RECHECK_FIX,
@@ -88,6 +89,15 @@ def test_export_in_two_threads_at_once(disabled):
     if result is None:
         pytest.skip("this torch cannot export non-strict")
     assert result["hazard"] == (disabled and HAS_EXPORT_TRACE), result
+
+
+def test_two_make_fx_traces_at_once_keep_their_own_tracer(disabled):
+    result = scenario("_selftest.make_fx_tracer_elsewhere()", disabled, fix="make-fx-tracer")
+    if result is None:
+        pytest.skip("this torch has no make_fx tracer global (2.4+)")
+    assert result["hazard"] == (disabled and HAS_MAKE_FX_TRACER), result
+    if disabled and HAS_MAKE_FX_TRACER:
+        assert "Cannot reenter make_fx" in result["detail"], result
 
 
 def test_export_save_in_two_threads_at_once(disabled):

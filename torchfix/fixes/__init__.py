@@ -14,6 +14,7 @@ from . import (
     export_trace_state,
     fx_node_meta,
     fx_tracing_flag,
+    make_fx_tracer,
     pre_dispatch_modes,
     trace_patch_isolation,
 )
@@ -30,6 +31,7 @@ ALL: list[Fix] = [
     export_save.FIX,
     export_trace_state.FIX,
     pre_dispatch_modes.FIX,
+    make_fx_tracer.FIX,
     cudagraph_thread_trees.FIX,
     cudagraph_tree_callable.FIX,
     cudagraph_step_counters.FIX,

@@ -1,0 +1,36 @@
+"""make-fx-tracer: the make_fx trace in progress belongs to the thread that traces.
+
+``torch.fx.experimental.proxy_tensor`` keeps the make_fx tracer at work in one module global,
+``_CURRENT_MAKE_FX_TRACER`` (torch 2.4+), which ``make_fx`` sets for its trace and restores after it, and from
+which higher-order ops (``torch.cond``, ``while_loop``, flex attention's score and mask functions) trace their
+subgraphs. Two threads tracing at once (a compile's AOTAutograd in one, an export in another) share it: when
+the first to start finishes, it restores the value it found, and the other thread's ``torch.cond`` then
+raises "Cannot reenter make_fx when we're not under a make_fx tracing session" or traces into the wrong
+graph; when that one finishes in turn, it leaves the first one's finished tracer behind for every later
+higher-order op. Still a global in 2.15.
+
+The global moves to a ``threading.local`` (``proxy_tensor._make_fx_tracer_tls``) with
+:class:`ThreadLocalGlobals`.
+"""
+
+from __future__ import annotations
+
+from packaging.specifiers import SpecifierSet
+
+from .._fix import Fix
+from .._patch import ThreadLocalGlobals, moved_global_probe
+
+MODULE = "torch.fx.experimental.proxy_tensor"
+HOLDER = "_make_fx_tracer_tls"
+TRACER = "_CURRENT_MAKE_FX_TRACER"
+
+FIX = Fix(
+    name="make-fx-tracer",
+    hazard="two threads tracing with make_fx at once: one's torch.cond loses its tracer ('Cannot reenter make_fx') "
+    "or traces into the other's graph, and a finished tracer is left behind",
+    versions=SpecifierSet(">=2.4,<2.16", prereleases=True),
+    probe=moved_global_probe(MODULE, HOLDER, TRACER, f"{MODULE} has no {TRACER} (before torch 2.4)"),
+    patches=lambda _torch_version: [
+        ThreadLocalGlobals(MODULE, "torch/fx/experimental/proxy_tensor.py", HOLDER, {TRACER: "tracer"})
+    ],
+)
