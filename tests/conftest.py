@@ -32,6 +32,9 @@ HAS_H5_FIX = TORCH_VERSION.release >= (2, 6)
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
 # torch.export._trace's _EXPORT_MODULE_HIERARCHY (2.4+; _EXPORT_FLAGS, only for logs, from 2.3): globals to 2.15.
 HAS_EXPORT_TRACE = (2, 4) <= TORCH_VERSION.release < (2, 16)
+# torch._library's global_ctx_getter, what torch.library.get_ctx() returns (2.2+): a process global to 2.15; the
+# scenario's custom operator needs torch.library.custom_op (2.4+).
+HAS_FAKE_IMPL_CTX = (2, 4) <= TORCH_VERSION.release < (2, 16)
 # proxy_tensor's _CURRENT_MAKE_FX_TRACER, the make_fx trace in progress (2.4+): a process global to 2.15.
 HAS_MAKE_FX_TRACER = (2, 4) <= TORCH_VERSION.release < (2, 16)
 # torch.export.save registers its FakeTensor reducer in the process-wide copyreg table (2.3+); the scenario's

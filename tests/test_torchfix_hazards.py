@@ -10,6 +10,7 @@ from conftest import (
     HAS_EXPORT_LOAD,
     HAS_EXPORT_SAVE,
     HAS_EXPORT_TRACE,
+    HAS_FAKE_IMPL_CTX,
     HAS_H1,
     HAS_H2,
     HAS_H3,
@@ -89,6 +90,13 @@ def test_export_in_two_threads_at_once(disabled):
     if result is None:
         pytest.skip("this torch cannot export non-strict")
     assert result["hazard"] == (disabled and HAS_EXPORT_TRACE), result
+
+
+def test_get_ctx_answers_for_the_calling_thread(disabled):
+    result = scenario("_selftest.fake_impl_ctx_elsewhere()", disabled, fix="fake-impl-ctx")
+    if result is None:
+        pytest.skip("this torch has no torch.library.custom_op (2.4+)")
+    assert result["hazard"] == (disabled and HAS_FAKE_IMPL_CTX), result
 
 
 def test_two_make_fx_traces_at_once_keep_their_own_tracer(disabled):

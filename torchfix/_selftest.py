@@ -334,6 +334,59 @@ def export_load_elsewhere(timeout: float = 60.0) -> Result | None:
     )
 
 
+_HELD_FAKE_OP: list[object] = []  # the scenario's custom operator: registered once per process
+
+
+def fake_impl_ctx_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A runs a custom operator's fake implementation (under a FakeTensorMode; it waits there),
+    the main thread, which runs none, calls ``torch.library.get_ctx()``: it must get no context (None), not
+    A's. None where torch has no ``torch.library.custom_op`` (before 2.4)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not hasattr(torch.library, "custom_op") or not hasattr(torch.library, "get_ctx"):
+        return None
+    inside, release = threading.Event(), threading.Event()
+    if not _HELD_FAKE_OP:
+        # The schema is given: this file's annotations are strings (from __future__), which custom_op cannot read.
+        @torch.library.custom_op("torchfix_selftest::held_fake", mutates_args=(), schema="(Tensor x) -> Tensor")
+        def held_fake(x):
+            return x.clone()
+
+        _HELD_FAKE_OP.append(held_fake)
+    op = _HELD_FAKE_OP[0]
+
+    def fake(x):
+        inside.set()
+        release.wait(timeout)
+        return torch.empty_like(x)
+
+    op.register_fake(fake)  # replaces the previous run's (its events are spent)
+    errors: list[str] = []
+
+    def run_fake() -> None:
+        try:
+            with FakeTensorMode() as mode:
+                op(mode.from_tensor(torch.ones(2)))
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=run_fake, name="torchfix-selftest", daemon=True)
+    thread.start()
+    if not inside.wait(timeout):
+        thread.join(timeout)
+        return Result("fake impl ctx", True, f"the fake implementation never ran: {errors}")
+    seen = torch.library.get_ctx()
+    release.set()
+    thread.join(timeout)
+    detail = f"the main thread's get_ctx(): {type(seen).__name__}" + (f"; A raised {errors[0]}" if errors else "")
+    return Result(
+        "fake impl ctx (get_ctx() while another thread runs a fake implementation)",
+        seen is not None or bool(errors),
+        detail,
+    )
+
+
 def make_fx_tracer_elsewhere(timeout: float = 60.0) -> Result | None:
     """Thread A holds a ``make_fx`` trace open; thread B starts one of a function with ``torch.cond`` and
     waits inside it; A finishes; then B's ``torch.cond`` traces. B must trace the cond with its own tracer,
@@ -918,6 +971,7 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("export load", lambda: export_load_elsewhere(timeout)),
         ("export save", lambda: export_save_elsewhere(timeout)),
         ("make_fx tracer", lambda: make_fx_tracer_elsewhere(timeout)),
+        ("fake impl ctx", lambda: fake_impl_ctx_elsewhere(timeout)),
         ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
         ("H7 trees", lambda: h7_cudagraph_trees_in_new_thread(timeout)),
         ("H7 trees at thread end", lambda: h7_cudagraph_trees_at_thread_end(timeout)),
