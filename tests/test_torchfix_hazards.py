@@ -73,64 +73,48 @@ def test_h3_compile_in_one_thread_makes_is_compiling_true_in_another(disabled):
         assert result["detail"].endswith("(in the compiling thread: True)"), result
 
 
-def test_set_stance_in_one_thread_leaves_other_threads_compiling(disabled):
-    result = scenario("_selftest.stance_elsewhere()", disabled, fix="compile-stance")
+# State one thread sets while another works (a scenario of _selftest each): (scenario, its fix, whether this
+# torch has the hazard, what a torch whose scenario answers None lacks, what the disabled run must show).
+STATE_ELSEWHERE = [
+    ("stance_elsewhere", "compile-stance", HAS_STANCE, "torch.compiler.set_stance (2.6+)", ""),
+    ("node_meta_elsewhere", "fx-node-meta", HAS_NODE_META, "", ""),
+    ("export_trace_elsewhere", "export-trace-state", HAS_EXPORT_TRACE, "non-strict export", ""),
+    ("export_load_elsewhere", "export-deserializer", HAS_EXPORT_LOAD, "the export deserializer global (2.3+)", ""),
+    (
+        "export_save_elsewhere",
+        "export-save",
+        HAS_EXPORT_SAVE,
+        "an exported program's example inputs pickled on save (2.4+)",
+        "Refusing to stomp on existing FakeTensor reducer",
+    ),
+    (
+        "pre_dispatch_elsewhere",
+        "pre-dispatch-modes",
+        HAS_PRE_DISPATCH_MODES,
+        "a pre-dispatch mode stack and non-strict export",
+        "modes on the main thread's stack: 1;",
+    ),
+    (
+        "make_fx_tracer_elsewhere",
+        "make-fx-tracer",
+        HAS_MAKE_FX_TRACER,
+        "a make_fx tracer global (2.4+)",
+        "Cannot reenter",
+    ),
+    ("fake_impl_ctx_elsewhere", "fake-impl-ctx", HAS_FAKE_IMPL_CTX, "torch.library.custom_op (2.4+)", "FakeImplCtx"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "fix", "has_hazard", "needs", "shows"), STATE_ELSEWHERE, ids=[r[1] for r in STATE_ELSEWHERE]
+)
+def test_state_set_in_one_thread_stays_there(name, fix, has_hazard, needs, shows, disabled):
+    result = scenario(f"_selftest.{name}()", disabled, fix=fix)
     if result is None:
-        pytest.skip("this torch has no torch.compiler.set_stance (2.6+)")
-    assert result["hazard"] == (disabled and HAS_STANCE), result
-
-
-def test_node_meta_recorded_in_one_thread_stays_there(disabled):
-    result = scenario("_selftest.node_meta_elsewhere()", disabled, fix="fx-node-meta")
-    assert result["hazard"] == (disabled and HAS_NODE_META), result
-
-
-def test_export_in_two_threads_at_once(disabled):
-    result = scenario("_selftest.export_trace_elsewhere()", disabled, fix="export-trace-state")
-    if result is None:
-        pytest.skip("this torch cannot export non-strict")
-    assert result["hazard"] == (disabled and HAS_EXPORT_TRACE), result
-
-
-def test_get_ctx_answers_for_the_calling_thread(disabled):
-    result = scenario("_selftest.fake_impl_ctx_elsewhere()", disabled, fix="fake-impl-ctx")
-    if result is None:
-        pytest.skip("this torch has no torch.library.custom_op (2.4+)")
-    assert result["hazard"] == (disabled and HAS_FAKE_IMPL_CTX), result
-
-
-def test_two_make_fx_traces_at_once_keep_their_own_tracer(disabled):
-    result = scenario("_selftest.make_fx_tracer_elsewhere()", disabled, fix="make-fx-tracer")
-    if result is None:
-        pytest.skip("this torch has no make_fx tracer global (2.4+)")
-    assert result["hazard"] == (disabled and HAS_MAKE_FX_TRACER), result
-    if disabled and HAS_MAKE_FX_TRACER:
-        assert "Cannot reenter make_fx" in result["detail"], result
-
-
-def test_export_save_in_two_threads_at_once(disabled):
-    result = scenario("_selftest.export_save_elsewhere()", disabled, fix="export-save")
-    if result is None:
-        pytest.skip("this torch does not pickle an exported program's example inputs (2.4+)")
-    assert result["hazard"] == (disabled and HAS_EXPORT_SAVE), result
-    if disabled and HAS_EXPORT_SAVE:
-        assert "Refusing to stomp on existing FakeTensor reducer" in result["detail"], result
-
-
-def test_eager_cond_while_another_thread_exports(disabled):
-    result = scenario("_selftest.pre_dispatch_elsewhere()", disabled, fix="pre-dispatch-modes")
-    if result is None:
-        pytest.skip("this torch has no pre-dispatch mode stack or no non-strict export")
-    assert result["hazard"] == (disabled and HAS_PRE_DISPATCH_MODES), result
-    if disabled and HAS_PRE_DISPATCH_MODES:
-        assert result["detail"].startswith("modes on the main thread's stack: 1;"), result
-
-
-def test_export_load_in_two_threads_at_once(disabled):
-    result = scenario("_selftest.export_load_elsewhere()", disabled, fix="export-deserializer")
-    if result is None:
-        pytest.skip("this torch has no export deserializer global (2.3+)")
-    assert result["hazard"] == (disabled and HAS_EXPORT_LOAD), result
+        pytest.skip(f"the scenario needs {needs}")
+    assert result["hazard"] == (disabled and has_hazard), result
+    if disabled and has_hazard:
+        assert shows in result["detail"], result
 
 
 @pytest.mark.parametrize("action", ["eager_module", "symbolic_trace", "cond"])
