@@ -197,3 +197,11 @@ print(json.dumps({"patched": patched, "restored": cf.CatchErrorsWrapper.__call__
                   "helper": "_compile_unless_cached" in vars(cf)}))
 """).json()
     assert ran == {"patched": True, "restored": True, "helper": False}
+
+
+def test_the_tests_know_the_newest_checked_release():
+    from conftest import UNCHECKED
+
+    newest = run_ok("from torchfix._fix import NEWEST_CHECKED; print(NEWEST_CHECKED)").stdout.strip()
+    major, minor = map(int, newest.split("."))
+    assert UNCHECKED == (major, minor + 1), (UNCHECKED, newest)

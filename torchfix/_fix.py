@@ -10,6 +10,15 @@ from typing import Protocol
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+# The newest torch minor release every fix was checked against: a later one is "unsupported" until checked.
+NEWEST_CHECKED = "2.15"
+
+
+def releases(first: str, last: str = NEWEST_CHECKED) -> SpecifierSet:
+    """The torch releases from minor version ``first`` through ``last``, patch and pre-releases included."""
+    major, minor = map(int, last.split("."))
+    return SpecifierSet(f">={first},<{major}.{minor + 1}", prereleases=True)
+
 
 class Patch(Protocol):
     """What every patch does: source patches (``_patch``) and default changes (``_defaults``)."""

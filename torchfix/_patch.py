@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
 from ._cache import cached, digest
+from ._fix import Fix, releases
 from ._source import (
     Edit,
     PatchedFile,
@@ -316,6 +317,34 @@ def moved_global_probe(module: str, holder: str, name: str, absent: str) -> Call
         return None if name in namespace else absent
 
     return probe
+
+
+def moved_globals_fix(
+    name: str,
+    hazard: str,
+    first: str,
+    module: str,
+    holder: str,
+    moved: dict[str, str],
+    *,
+    optional: frozenset[str] = frozenset(),
+    own: frozenset[str] = frozenset(),
+    trigger: str = "torch",
+) -> Fix:
+    """A fix that moves globals of one torch module to per-thread storage (:class:`ThreadLocalGlobals`; ``optional``
+    and ``own`` are its), and does nothing else: from torch ``first`` (before it, the first of ``moved`` does not
+    exist) through the newest checked release."""
+    probed = next(iter(moved))
+    return Fix(
+        name=name,
+        hazard=hazard,
+        versions=releases(first),
+        probe=moved_global_probe(module, holder, probed, f"{module} has no {probed} (before torch {first})"),
+        patches=lambda _torch_version: [
+            ThreadLocalGlobals(module, module.replace(".", "/") + ".py", holder, moved, optional=optional, own=own)
+        ],
+        trigger=trigger,
+    )
 
 
 def _accesses_left(module: types.ModuleType, opnames: set[str], names: set[str]) -> list[str]:

@@ -27,11 +27,10 @@ from __future__ import annotations
 import ast
 import importlib
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from .._defaults import ConfigDefault, KeywordDefault
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
@@ -116,7 +115,7 @@ FIX = Fix(
     name="backward-compile-deadlock",
     hazard="threads sharing a device deadlock: a lazy backward compile on autograd's device thread waits "
     "for compile_lock held by a forward compile that waits for that device thread",
-    versions=SpecifierSet(">=2.6,<2.16", prereleases=True),
+    versions=releases("2.6"),
     probe=_probe,
     patches=_patches,
 )

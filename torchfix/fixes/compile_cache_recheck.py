@@ -36,9 +36,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from packaging.specifiers import SpecifierSet
-
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
@@ -179,7 +177,7 @@ FIX = Fix(
     name="compile-cache-recheck",
     hazard="threads that miss Dynamo's cache together each compile the same frame again after the first "
     "one's compile (N threads, N compiles)",
-    versions=SpecifierSet(">=2.6,<2.16", prereleases=True),
+    versions=releases("2.6"),
     probe=_probe,
     patches=lambda _torch_version: [_RecheckPatch()],
     trigger=MODULE,

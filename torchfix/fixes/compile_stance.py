@@ -19,9 +19,7 @@ that thread's stance (the default), not the stance of the thread whose backward 
 
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
-
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch._dynamo.eval_frame"
@@ -31,7 +29,7 @@ HOLDER = "_stance_tls"
 FIX = Fix(
     name="compile-stance",
     hazard="one thread's torch.compiler.set_stance('force_eager') makes every thread's compiled calls run eagerly",
-    versions=SpecifierSet(">=2.6,<2.16", prereleases=True),
+    versions=releases("2.6"),
     probe=moved_global_probe(MODULE, HOLDER, "_stance", "this torch has no torch.compiler.set_stance (2.6+)"),
     patches=lambda _torch_version: [
         ThreadLocalGlobals(MODULE, "torch/_dynamo/eval_frame.py", HOLDER, {"_stance": "stance"})

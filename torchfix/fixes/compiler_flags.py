@@ -35,9 +35,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from packaging.specifiers import SpecifierSet
-
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import AttributeUses, ThreadLocalGlobals
 
 MODULE = "torch.compiler"
@@ -78,7 +76,7 @@ def _probe() -> str | None:
 FIX = Fix(
     name="compiler-flags",
     hazard="while one thread compiles or exports, torch.compiler.is_compiling() is True in every thread",
-    versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
+    versions=releases("2.3"),
     probe=_probe,
     patches=_patches,
 )

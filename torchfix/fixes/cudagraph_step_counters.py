@@ -24,9 +24,7 @@ import ast
 import importlib
 import threading
 
-from packaging.specifiers import SpecifierSet
-
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, parse, replace_node, segment
 from ._thread_stash import stash_until_thread_end
@@ -141,7 +139,7 @@ FIX = Fix(
     name="cudagraph-step-counters",
     hazard="with mode='reduce-overhead', one thread's cudagraph_mark_step_begin() or compiled call starts a "
     "new generation in every thread's CUDA graph trees, which then overwrite outputs their thread still needs",
-    versions=SpecifierSet(">=2.1,<2.16", prereleases=True),
+    versions=releases("2.1"),
     probe=_probe,
     # The per-thread holder first: the increments written into Dynamo's files refer to it.
     patches=lambda _torch_version: [

@@ -31,10 +31,9 @@ import importlib
 import threading
 from collections import defaultdict
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 from ._thread_stash import stash_until_thread_end
@@ -142,7 +141,7 @@ FIX = Fix(
     hazard="mode='reduce-overhead' in a thread other than the one that imported CUDA graph trees fails "
     "(AssertionError in cudagraph_trees.get_obj; torch 2.1 - 2.12), threads' graph captures break each other, "
     "and a thread's trees are torn down by C++ thread-exit code after Python let the thread go",
-    versions=SpecifierSet(">=2.1,<2.16", prereleases=True),
+    versions=releases("2.1"),
     probe=_probe,
     patches=_patches,
     trigger=MODULE,

@@ -31,9 +31,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 
-from packaging.specifiers import SpecifierSet
-
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
@@ -119,7 +117,7 @@ FIX = Fix(
     name="cudagraph-tree-callable",
     hazard="with mode='reduce-overhead', threads replay each other's CUDA graphs (overwritten outputs), and "
     "from torch 2.13 every thread's backward runs in the tree of the first thread whose backward ran",
-    versions=SpecifierSet(">=2.1,<2.16", prereleases=True),
+    versions=releases("2.1"),
     probe=_probe,
     patches=lambda _torch_version: [_CallablePerTree()],
     trigger=MODULE,

@@ -16,26 +16,16 @@ still cannot nest two deserializations (torch's check stays, per thread).
 
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
-
-from .._fix import Fix
-from .._patch import ThreadLocalGlobals, moved_global_probe
+from .._patch import moved_globals_fix
 
 MODULE = "torch._export.serde.serialize"
-HOLDER = "_deserializer_tls"
 
-
-FIX = Fix(
-    name="export-deserializer",
-    hazard="torch.export.load in two threads at once raises AssertionError: _CURRENT_DESERIALIZER is already set",
-    versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
-    probe=moved_global_probe(
-        MODULE, HOLDER, "_CURRENT_DESERIALIZER", f"{MODULE} has no global _CURRENT_DESERIALIZER (before torch 2.3)"
-    ),
-    patches=lambda _torch_version: [
-        ThreadLocalGlobals(
-            MODULE, "torch/_export/serde/serialize.py", HOLDER, {"_CURRENT_DESERIALIZER": "deserializer"}
-        )
-    ],
+FIX = moved_globals_fix(
+    "export-deserializer",
+    "torch.export.load in two threads at once raises AssertionError: _CURRENT_DESERIALIZER is already set",
+    "2.3",
+    MODULE,
+    "_deserializer_tls",
+    {"_CURRENT_DESERIALIZER": "deserializer"},
     trigger=MODULE,
 )

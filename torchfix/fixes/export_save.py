@@ -19,9 +19,7 @@ import ast
 import importlib
 import threading
 
-from packaging.specifiers import SpecifierSet
-
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, parse, replace_node
 
@@ -68,7 +66,7 @@ FIX = Fix(
     name="export-save",
     hazard="torch.export.save in two threads at once raises AssertionError: Refusing to stomp on existing "
     "FakeTensor reducer",
-    versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
+    versions=releases("2.3"),
     probe=_probe,
     patches=lambda _torch_version: [_SaveAlone()],
     trigger=MODULE,

@@ -13,29 +13,18 @@ Both move to a ``threading.local`` (``_trace._export_trace_tls``) with :class:`T
 
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
-
-from .._fix import Fix
-from .._patch import ThreadLocalGlobals, moved_global_probe
+from .._patch import moved_globals_fix
 
 MODULE = "torch.export._trace"
-HOLDER = "_export_trace_tls"
 
-
-FIX = Fix(
-    name="export-trace-state",
-    hazard="torch.export.export in two threads at once: one raises AssertionError: _EXPORT_MODULE_HIERARCHY must "
-    "not be None when the other finishes, or gets the other module's call graph",
-    versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
-    probe=moved_global_probe(MODULE, HOLDER, "_EXPORT_FLAGS", f"{MODULE} has no global _EXPORT_FLAGS (before 2.3)"),
-    patches=lambda _torch_version: [
-        ThreadLocalGlobals(
-            MODULE,
-            "torch/export/_trace.py",
-            HOLDER,
-            {"_EXPORT_FLAGS": "flags", "_EXPORT_MODULE_HIERARCHY": "module_hierarchy"},
-            optional=frozenset({"_EXPORT_MODULE_HIERARCHY"}),
-        )
-    ],
+FIX = moved_globals_fix(
+    "export-trace-state",
+    "torch.export.export in two threads at once: one raises AssertionError: _EXPORT_MODULE_HIERARCHY must not be "
+    "None when the other finishes, or gets the other module's call graph",
+    "2.3",
+    MODULE,
+    "_export_trace_tls",
+    {"_EXPORT_FLAGS": "flags", "_EXPORT_MODULE_HIERARCHY": "module_hierarchy"},
+    optional=frozenset({"_EXPORT_MODULE_HIERARCHY"}),
     trigger=MODULE,
 )

@@ -14,10 +14,9 @@ The global moves to a ``threading.local`` with :class:`ThreadLocalGlobals`.
 
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
 
 HOLDER = "_ctx_getter_tls"
@@ -39,7 +38,7 @@ def _probe() -> str | None:
 FIX = Fix(
     name="fake-impl-ctx",
     hazard="torch.library.get_ctx() in one thread returns the fake-implementation context of another thread",
-    versions=SpecifierSet(">=2.2,<2.16", prereleases=True),
+    versions=releases("2.2"),
     probe=_probe,
     patches=lambda torch_version: [
         ThreadLocalGlobals(

@@ -22,9 +22,7 @@ the global).
 
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
-
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch.fx.traceback"
@@ -41,7 +39,7 @@ FIX = Fix(
     name="fx-node-meta",
     hazard="while one thread traces with node metadata (preserve_node_meta, set_current_meta), other threads' "
     "FX graphs get its stack traces and metadata",
-    versions=SpecifierSet(">=2.0,<2.16", prereleases=True),
+    versions=releases("2.0"),
     probe=moved_global_probe(MODULE, HOLDER, "current_meta", f"{MODULE} has no global current_meta (changed upstream)"),
     patches=lambda _torch_version: [
         ThreadLocalGlobals(

@@ -21,9 +21,7 @@ import sys
 import types
 from collections.abc import Iterator
 
-from packaging.specifiers import SpecifierSet
-
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import AttributeUses, SourcePatch, ThreadLocalGlobals
 from .._source import Edit, ShapeError, definitions, insert_at, nested_function, parse
 
@@ -145,7 +143,7 @@ def _probe() -> str | None:
 FIX = Fix(
     name="fx-tracing-flag",
     hazard="one thread's FX trace (symbolic_trace, make_fx, AOTAutograd) breaks compiled calls in other threads",
-    versions=SpecifierSet(">=2.0,<2.14", prereleases=True),
+    versions=releases("2.0", "2.13"),
     probe=_probe,
     patches=lambda _torch_version: [
         _FlagPatch(),

@@ -15,22 +15,14 @@ The global moves to a ``threading.local`` (``proxy_tensor._make_fx_tracer_tls``)
 
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
+from .._patch import moved_globals_fix
 
-from .._fix import Fix
-from .._patch import ThreadLocalGlobals, moved_global_probe
-
-MODULE = "torch.fx.experimental.proxy_tensor"
-HOLDER = "_make_fx_tracer_tls"
-TRACER = "_CURRENT_MAKE_FX_TRACER"
-
-FIX = Fix(
-    name="make-fx-tracer",
-    hazard="two threads tracing with make_fx at once: one's torch.cond loses its tracer ('Cannot reenter make_fx') "
-    "or traces into the other's graph, and a finished tracer is left behind",
-    versions=SpecifierSet(">=2.4,<2.16", prereleases=True),
-    probe=moved_global_probe(MODULE, HOLDER, TRACER, f"{MODULE} has no {TRACER} (before torch 2.4)"),
-    patches=lambda _torch_version: [
-        ThreadLocalGlobals(MODULE, "torch/fx/experimental/proxy_tensor.py", HOLDER, {TRACER: "tracer"})
-    ],
+FIX = moved_globals_fix(
+    "make-fx-tracer",
+    "two threads tracing with make_fx at once: one's torch.cond loses its tracer ('Cannot reenter make_fx') or "
+    "traces into the other's graph, and a finished tracer is left behind",
+    "2.4",
+    "torch.fx.experimental.proxy_tensor",
+    "_make_fx_tracer_tls",
+    {"_CURRENT_MAKE_FX_TRACER": "tracer"},
 )

@@ -15,22 +15,17 @@ stack only through ``mode_stack_state_for_pre_dispatch()``, so one moved global 
 
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
+from .._patch import moved_globals_fix
 
-from .._fix import Fix
-from .._patch import ThreadLocalGlobals, moved_global_probe
-
-MODULE = "torch._ops"
-HOLDER = "_pre_dispatch_tls"
 STACK = "_mode_stack_state_for_pre_dispatch"
 
-FIX = Fix(
-    name="pre-dispatch-modes",
-    hazard="while one thread exports (pre-dispatch tracing), eager torch.cond in another thread traces into its "
-    "graph and breaks the export; two exports pop each other's modes",
-    versions=SpecifierSet(">=2.3,<2.16", prereleases=True),
-    probe=moved_global_probe(MODULE, HOLDER, STACK, f"{MODULE} has no pre-dispatch mode stack (before 2.3)"),
-    patches=lambda _torch_version: [
-        ThreadLocalGlobals(MODULE, "torch/_ops.py", HOLDER, {STACK: "mode_stack"}, own=frozenset({STACK}))
-    ],
+FIX = moved_globals_fix(
+    "pre-dispatch-modes",
+    "while one thread exports (pre-dispatch tracing), eager torch.cond in another thread traces into its graph and "
+    "breaks the export; two exports pop each other's modes",
+    "2.3",
+    "torch._ops",
+    "_pre_dispatch_tls",
+    {STACK: "mode_stack"},
+    own=frozenset({STACK}),
 )

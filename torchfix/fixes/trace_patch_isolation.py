@@ -36,9 +36,8 @@ import types
 from collections.abc import Callable
 
 import wrapt
-from packaging.specifiers import SpecifierSet
 
-from .._fix import Fix
+from .._fix import Fix, releases
 from .._patch import ThreadLocalGlobals
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
@@ -274,7 +273,7 @@ def _probe() -> str | None:
 FIX = Fix(
     name="trace-patch-isolation",
     hazard="an FX trace in one thread patches nn.Module.__call__/__getattr__ and wrapped functions for every thread",
-    versions=SpecifierSet(">=2.0,<2.16", prereleases=True),
+    versions=releases("2.0"),
     probe=_probe,
     patches=lambda _torch_version: [_IsolationPatch()],
 )
