@@ -39,6 +39,8 @@ HAS_EXPORT_TRACE = (2, 4) <= TORCH_VERSION.release < UNCHECKED
 # torch._library's global_ctx_getter, what torch.library.get_ctx() returns (2.2+): a process global to 2.15; the
 # scenario's custom operator needs torch.library.custom_op (2.4+).
 HAS_FAKE_IMPL_CTX = (2, 4) <= TORCH_VERSION.release < UNCHECKED
+# Non-strict export patches builtins.max/min for the process while it traces (2.8+), in every release so far.
+HAS_EXPORT_BUILTINS = (2, 8) <= TORCH_VERSION.release < UNCHECKED
 # proxy_tensor's _CURRENT_MAKE_FX_TRACER, the make_fx trace in progress (2.4+): a process global to 2.15.
 HAS_MAKE_FX_TRACER = (2, 4) <= TORCH_VERSION.release < UNCHECKED
 # torch.export.save registers its FakeTensor reducer in the process-wide copyreg table (2.3+); the scenario's

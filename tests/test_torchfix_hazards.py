@@ -7,6 +7,7 @@ proves nothing); with torchfix it must be gone.
 
 import pytest
 from conftest import (
+    HAS_EXPORT_BUILTINS,
     HAS_EXPORT_LOAD,
     HAS_EXPORT_SAVE,
     HAS_EXPORT_TRACE,
@@ -102,6 +103,13 @@ STATE_ELSEWHERE = [
         "Cannot reenter",
     ),
     ("fake_impl_ctx_elsewhere", "fake-impl-ctx", HAS_FAKE_IMPL_CTX, "torch.library.custom_op (2.4+)", "FakeImplCtx"),
+    (
+        "export_builtins_after_overlap",
+        "export-builtins",
+        HAS_EXPORT_BUILTINS,
+        "non-strict export patching builtins (2.8+)",
+        "partial (1 wrappers deep)",
+    ),
 ]
 
 

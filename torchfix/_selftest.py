@@ -9,6 +9,7 @@ Run them in a process you can throw away: on an unpatched torch, H2 leaves the p
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -579,6 +580,37 @@ def export_trace_elsewhere(timeout: float = 60.0) -> Result | None:
     return Result(scenario, wrong, detail)
 
 
+def export_builtins_after_overlap(timeout: float = 60.0) -> Result | None:
+    """Thread A starts a non-strict export and waits in its forward; thread B starts one and waits too; A
+    finishes, then B. Afterwards ``builtins.max`` must be the real builtin again, not one of torch's export
+    wrappers (which the scenario then takes away, for the scenarios after it). None where non-strict export
+    patches no builtins (before torch 2.8) or cannot run here."""
+    import builtins
+    import importlib
+
+    try:
+        utils = importlib.import_module("torch._export.non_strict_utils")
+    except ImportError:
+        return None
+    if not hasattr(utils, "_override_builtin_ops"):
+        return None
+    scenario = "export builtins (two non-strict exports overlapping)"
+    first = _HeldExport(timeout).__enter__()
+    if not first.inside:
+        first.__exit__(None, None, None)
+        return _export_never_held(first, scenario)
+    second = _HeldExport(timeout).__enter__()
+    first.__exit__(None, None, None)  # the first to start ends first
+    second.__exit__(None, None, None)
+    left, depth = builtins.max, 0
+    while isinstance(builtins.max, functools.partial):  # torch's wrapper, left behind: unwrap it
+        builtins.max = builtins.max.keywords["real_callable"]
+        depth += 1
+    wrong = not isinstance(left, types.BuiltinFunctionType) or depth > 0
+    detail = f"builtins.max afterwards: {type(left).__name__} ({depth} wrappers deep); the exports: "
+    return Result(scenario, wrong, detail + f"{first.outcome[:100]!r}, {second.outcome[:100]!r}")
+
+
 def pre_dispatch_elsewhere(timeout: float = 60.0) -> Result | None:
     """While thread A is inside a non-strict ``torch.export.export`` (pre-dispatch tracing, its forward
     waiting there), the main thread counts the modes on its pre-dispatch stack and runs ``torch.cond``
@@ -983,6 +1015,7 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         # Last: without pre-dispatch-modes, an export held open while another thread works leaves torch's
         # process-wide pre-dispatch mode stack dirty, and every eager torch.cond fails after that.
         ("pre-dispatch modes", lambda: pre_dispatch_elsewhere(timeout)),
+        ("export builtins", lambda: export_builtins_after_overlap(timeout)),
         ("export trace", lambda: export_trace_elsewhere(timeout)),
     ]
     results = []

@@ -1,0 +1,80 @@
+"""export-builtins: overlapping non-strict exports leave ``builtins.max`` wrapped for good.
+
+For the whole of a non-strict ``torch.export.export`` (the default), ``_override_builtin_ops`` in
+``torch._export.non_strict_utils`` (torch 2.8+) replaces ``builtins.max``, ``builtins.min`` and ``math.pow`` for
+the process, with wrappers that send tensors to ``torch.maximum`` / ``torch.minimum``, and at the end restores
+what it found. Of two exports that overlap, the second finds the first one's wrappers and saves those as "the
+originals"; if the first ends first it restores the real builtins, and the second then restores the first
+one's wrapper, which stays: every such overlap adds one more wrapper around ``max`` for good. A soak of
+threads exporting (torch 2.13, every other fix on) grew the chain until, after about 9 minutes,
+``max(timeout, 0)`` in ``threading.Thread.join`` raised ``RecursionError``. Still so in 2.15.
+
+``_override_builtin_ops`` saves the real builtins instead (taken when the fix is applied), so whichever export
+ends restores those and nothing is left behind. What this does not change: while any thread exports, the
+wrappers serve every thread (they pass anything but tensors to the real builtin), and an export that ends
+while another still traces takes the wrappers away from it, as torch does.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import math
+
+from .._fix import Fix, releases
+from .._patch import SourcePatch
+from .._source import Edit, ShapeError, definitions, replace_node, segment
+
+MODULE = "torch._export.non_strict_utils"
+REAL = "_torchfix_real_builtin"
+SAVED = {"builtins.max": "max", "builtins.min": "min", "math.pow": "pow"}  # what the context saves, by its text
+
+
+class _RealBuiltins:
+    """The builtins as they were when the fix was applied: what every export restores."""
+
+    def __init__(self) -> None:
+        self.real = {"max": builtins.max, "min": builtins.min, "pow": math.pow}
+
+    def __call__(self, name: str) -> object:
+        return self.real[name]
+
+
+class _SaveTheRealOnes(SourcePatch):
+    def __init__(self) -> None:
+        super().__init__(MODULE, "torch/_export/non_strict_utils.py")
+
+    def describe(self) -> str:
+        return super().describe() + f"; adds {REAL} (the builtins as they were when torchfix was applied)"
+
+    def edits(self, source: str) -> list[Edit]:
+        override = definitions(source).get("_override_builtin_ops")
+        saves = [
+            node.value
+            for node in (override.body if override is not None else [])
+            if isinstance(node, ast.Assign) and segment(source, node.value) in SAVED
+        ]
+        if len(saves) != len(SAVED):
+            raise ShapeError(f"{self.relpath}: _override_builtin_ops does not save max, min and pow (torch 2.8 - 2.15)")
+        return [replace_node(value, f"{REAL}({SAVED[segment(source, value)]!r})") for value in saves]
+
+    def helpers(self) -> dict[str, object]:
+        return {REAL: _RealBuiltins()}
+
+
+def _probe() -> str | None:
+    import importlib
+
+    module = importlib.import_module(MODULE)
+    return None if hasattr(module, "_override_builtin_ops") else f"{MODULE} patches no builtins (before torch 2.8)"
+
+
+FIX = Fix(
+    name="export-builtins",
+    hazard="non-strict exports that overlap leave builtins.max and min wrapped in torch's export wrappers for good, "
+    "one more per overlap, until max() raises RecursionError",
+    versions=releases("2.8"),
+    probe=_probe,
+    patches=lambda _torch_version: [_SaveTheRealOnes()],
+    trigger=MODULE,
+)
