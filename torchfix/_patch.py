@@ -108,8 +108,11 @@ class SourcePatch:
     def apply(self) -> None:
         module = importlib.import_module(self.module_name)
         source = read_source(module)
+        self._apply(module, source, self.cached_edits(source))
+
+    def _apply(self, module: types.ModuleType, source: str, edits: list[Edit]) -> None:
         patched_file = PatchedFile.of(module, source)
-        swap_in = patched_file.add(self, self.cached_edits(source))  # checks everything, changes nothing
+        swap_in = patched_file.add(self, edits)  # checks everything, changes nothing
         helpers = self.helpers()
         taken = sorted(name for name in helpers if name in vars(module))
         if taken:
@@ -592,8 +595,9 @@ class AttributeUses(SourcePatch):
     def apply(self) -> None:
         # Import the module only where it needs edits: some are costly (torch.export._trace: 1.5 s).
         source = source_without_import(self.module_name)
-        if source is not None and self.cached_edits(source):
-            super().apply()
+        edits = self.cached_edits(source) if source is not None else []
+        if edits:
+            self._apply(importlib.import_module(self.module_name), source, edits)
 
     def verify(self) -> None:
         if self._module is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib
 import math
 
 from .._fix import Fix, releases
@@ -28,16 +29,6 @@ from .._source import Edit, ShapeError, definitions, replace_node, segment
 MODULE = "torch._export.non_strict_utils"
 REAL = "_torchfix_real_builtin"
 SAVED = {"builtins.max": "max", "builtins.min": "min", "math.pow": "pow"}  # what the context saves, by its text
-
-
-class _RealBuiltins:
-    """The builtins as they were when the fix was applied: what every export restores."""
-
-    def __init__(self) -> None:
-        self.real = {"max": builtins.max, "min": builtins.min, "pow": math.pow}
-
-    def __call__(self, name: str) -> object:
-        return self.real[name]
 
 
 class _SaveTheRealOnes(SourcePatch):
@@ -59,12 +50,11 @@ class _SaveTheRealOnes(SourcePatch):
         return [replace_node(value, f"{REAL}({SAVED[segment(source, value)]!r})") for value in saves]
 
     def helpers(self) -> dict[str, object]:
-        return {REAL: _RealBuiltins()}
+        # The builtins as they are when the fix is applied: what every export restores.
+        return {REAL: {"max": builtins.max, "min": builtins.min, "pow": math.pow}.__getitem__}
 
 
 def _probe() -> str | None:
-    import importlib
-
     module = importlib.import_module(MODULE)
     return None if hasattr(module, "_override_builtin_ops") else f"{MODULE} patches no builtins (before torch 2.8)"
 
