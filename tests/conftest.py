@@ -32,6 +32,9 @@ HAS_H4 = TORCH_VERSION.release < UNCHECKED
 # The H5 fix compiles backward graphs with their forward from 2.6 (torch's switch from 2.9, its eager
 # path for dynamic shapes before).
 HAS_H5_FIX = TORCH_VERSION.release >= (2, 6)
+# Dynamo 2.2 keeps the backends its guards look up (eval_frame's cached_backends) per thread, so code compiled in
+# one thread fails its guard with KeyError in another that compiled it again; 2.1 guards no backend, 2.3 shares them.
+HAS_PER_THREAD_GUARDED_BACKENDS = TORCH_VERSION.release[:2] == (2, 2)
 # Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
 # torch.export._trace's _EXPORT_MODULE_HIERARCHY (2.4+; _EXPORT_FLAGS, only for logs, from 2.3): globals to 2.15.
@@ -67,14 +70,11 @@ HAS_RECHECK_FIX = TORCH_VERSION.release >= (2, 6)
 # Seen in the matrix: these releases segfault when a thread recompiles a frame that other threads wait to
 # run, and without compile-cache-recheck (2.10: 3 of 3 runs) when they duplicate one frame's compile.
 TORCH_CRASHES_ON_CONCURRENT_RECOMPILE = (2, 10) <= TORCH_VERSION.release < (2, 12)
-# And when threads make_fx at once: FakeTensorMode.__enter__ calls torch._C._ensureCUDADeviceGuardSet() on a
+# And when threads make_fx at once (and when one make_fx trace ends while another thread's is open):
+# FakeTensorMode.__enter__ calls torch._C._ensureCUDADeviceGuardSet() on a
 # machine without CUDA, which segfaulted in 6 of 9 four-second soaks on 2.10, with torchfix and without (C++
 # state, out of torchfix's reach); 2.11 has the same code and was not run; 2.13 did not crash.
 TORCH_CRASHES_ON_CONCURRENT_MAKE_FX = (2, 10) <= TORCH_VERSION.release < (2, 12)
-# Before 2.3 Dynamo keeps the backends its guards check (eval_frame's cached_backends) per thread, so code compiled
-# in one thread fails its guard in another with KeyError (torch.cond compiles itself on each eager call). Not
-# fixed by torchfix yet; 2.3 made the cache a module global.
-TORCH_BACKEND_CACHE_PER_THREAD = TORCH_VERSION.release < (2, 3)
 
 
 @dataclass

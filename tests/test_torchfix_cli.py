@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 from conftest import (
     HAS_H1,
-    TORCH_BACKEND_CACHE_PER_THREAD,
     TORCH_CRASHES_ON_CONCURRENT_MAKE_FX,
     TORCH_VERSION,
     run_ok,
@@ -91,9 +90,6 @@ STRESS_ACTIONS = (
 
 @pytest.mark.skipif(
     TORCH_CRASHES_ON_CONCURRENT_MAKE_FX, reason="torch 2.10 - 2.11 segfault when threads make_fx at once"
-)
-@pytest.mark.skipif(
-    TORCH_BACKEND_CACHE_PER_THREAD, reason="before 2.3 a compiled function's guard fails in other threads (KeyError)"
 )
 def test_stress_is_clean_with_torchfix_and_shows_the_hazards_without():
     ran = torchfix_cli("stress", "--seconds=4", "--threads=3", "--no-inductor", f"--actions={STRESS_ACTIONS}", "--json")

@@ -257,6 +257,25 @@ def stance_elsewhere(timeout: float = 60.0) -> Result | None:
     return Result("stance (set_stance('force_eager') in one thread, a compiled call in another)", not compiles, detail)
 
 
+def guarded_backends_elsewhere(timeout: float = 60.0) -> Result:
+    """The main thread compiles a function; a new thread compiles and calls it with another
+    ``torch.compile`` (another backend object): the call must run, not fail the first compile's guard with
+    ``KeyError`` (torch 2.2 keeps the backends guards look up per thread)."""
+    import torch
+
+    def triple(x):
+        return x * 3
+
+    def backend() -> Callable:
+        return lambda gm, example_inputs: gm.forward  # a new object each time: guards tell them apart
+
+    torch.compile(triple, backend=backend())(torch.ones(2))
+    outcome = _in_thread(lambda: torch.compile(triple, backend=backend())(torch.ones(2)), timeout)
+    failed = isinstance(outcome, BaseException)
+    detail = f"raised {type(outcome).__name__}: {outcome}" if failed else "ran"
+    return Result("guarded backends (compiled in one thread, compiled again and called in another)", failed, detail)
+
+
 def node_meta_elsewhere(timeout: float = 60.0) -> Result:
     """While thread A records node metadata (``preserve_node_meta()`` and a stack trace, as Dynamo and
     AOTAutograd do for every graph they build), what the main thread's FX graphs would record: nothing."""
@@ -999,6 +1018,7 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("H1 make_fx", lambda: h1_nested_trace_error("make_fx", timeout)),
         ("H3", lambda: h3_is_compiling_elsewhere(timeout)),
         ("stance", lambda: stance_elsewhere(timeout)),
+        ("guarded backends", lambda: guarded_backends_elsewhere(timeout)),
         ("node meta", lambda: node_meta_elsewhere(timeout)),
         ("export load", lambda: export_load_elsewhere(timeout)),
         ("export save", lambda: export_save_elsewhere(timeout)),

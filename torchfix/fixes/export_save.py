@@ -59,7 +59,10 @@ class _SaveAlone(SourcePatch):
 
 def _probe() -> str | None:
     module = importlib.import_module(MODULE)
-    return None if hasattr(module, SERIALIZE) else f"{MODULE} has no {SERIALIZE} (before torch 2.3)"
+    serialize = getattr(module, SERIALIZE, None)
+    if serialize is None or "copyreg" not in serialize.__code__.co_names:
+        return f"{MODULE} registers no FakeTensor reducer while it saves (before torch 2.3)"
+    return None
 
 
 FIX = Fix(
