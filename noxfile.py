@@ -4,6 +4,7 @@
     nox -s "shim(torch2.13)"    # one release (ids are not bare numbers: nox would read "2.10" as 2.1)
     nox -s shim                 # the whole matrix (downloads ~3 GB per release)
     nox -s tests                # the full suite (trainer included) on the default torch
+    nox -s dflash_client        # an exported drafter in z-lab's reference DFlash client
 
 Each session asserts that the torch it runs on is the one it asked for. The torch 2.0 session needs a
 python3.10 on PATH (with pyenv: PYENV_VERSION=3.11.7:3.10.13).
@@ -71,6 +72,16 @@ def tests(session: nox.Session) -> None:
     session.install(f"torch=={DEFAULT_TORCH}")
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session(python="3.11")
+def dflash_client(session: nox.Session) -> None:
+    """An exported drafter in z-lab's reference DFlash client (its package, without its pinned extras)."""
+    session.install(f"torch=={DEFAULT_TORCH}")
+    session.install("-e", ".[test]")
+    session.install("--no-deps", "dflash==0.1.0")
+    session.run("python", "-c", "import dflash.model")  # the test below would skip without it
+    session.run("python", "-m", "pytest", "-q", "tests/test_dflash_client.py", *session.posargs)
 
 
 @nox.session(python="3.11")

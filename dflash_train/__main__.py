@@ -17,6 +17,9 @@ EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     if args.pop("no_torchfix", False):
@@ -85,6 +88,29 @@ def main(argv: list[str] | None = None) -> int:
                 f"; CUDA graphs skipped {skips} times (see the warnings above)" if skips else "; no CUDA graph skipped"
             )
         print(f"torch.compile (mode {cfg.compile_mode}): {line}")
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    """``dflash-train export RUN_DIR OUT_DIR``: a run's checkpoint as the folder DFlash serving code loads."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="dflash-train export",
+        description="Write a run's drafter (RUN_DIR/checkpoint.safetensors) as a Hugging Face style folder: "
+        "config.json and model.safetensors in the layout of DFlash inference code (z-lab/dflash, SGLang, vLLM).",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out-dir of a dflash_train run")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (replaced if it is an earlier export)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
+    args = parser.parse_args(argv)
+    from .export import export_run
+
+    try:
+        out = export_run(args.run_dir, args.out_dir, dtype=args.dtype)
+    except ConfigError as e:
+        parser.exit(EXIT_USAGE, f"dflash-train export: error: {e}\n")
+    print(f"exported {args.run_dir} to {out}: config.json, model.safetensors")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""One safetensors file per run: the drafter's weights, the optimizer state, the step, and the configs.
+"""One safetensors file per run: the drafter's weights, the optimizer state, the step, and the configs
+(``export`` turns one into the folder a serving stack loads).
 
 Replicas are identical, so replica 0 speaks for all. The frozen embedding and LM head belong to the
 target and are not stored. The file is replaced atomically, so an interrupted save leaves the
@@ -52,7 +53,7 @@ DRAFTER_KEYS = (
 
 
 def save_checkpoint(
-    path: Path, drafter: Drafter, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig
+    path: Path, drafter: Drafter, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig, target_path: str
 ) -> None:
     tensors = {f"drafter.{k}": v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     opt = optimizer.state_dict()
@@ -64,6 +65,9 @@ def save_checkpoint(
         "step": str(step),
         "train_config": cfg.to_json(),
         "drafter_config": json.dumps({k: drafter.config.to_dict()[k] for k in DRAFTER_KEYS}),
+        # What `python -m dflash_train export` writes out: the whole drafter config, and the target it drafts for.
+        "model_config": drafter.config.to_json_string(use_diff=False),
+        "target_path": target_path,
         "optimizer_param_groups": json.dumps(opt["param_groups"]),
     }
     tmp = path.with_name(path.name + ".tmp")

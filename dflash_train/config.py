@@ -103,6 +103,12 @@ class TrainConfig:
     eval_new_tokens: int = _opt(96, "tokens generated per evaluation prompt")
     save_every: int = _opt(50, "save a checkpoint every N steps (0: only at the end)")
     stop_after: int = _opt(0, "stop (with a checkpoint) after N steps of this run, keeping the schedule (0: off)")
+    export: str = _opt(
+        "",
+        "after training, also write the drafter to this folder as DFlash serving code loads it (config.json, "
+        "model.safetensors in bf16; what `python -m dflash_train export RUN_DIR OUT_DIR` writes); '': do not",
+        metavar="PATH",
+    )
     resume: bool = _opt(
         False,
         "continue from <out-dir>/checkpoint.safetensors at its step, with its optimizer state (give the same "

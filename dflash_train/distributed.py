@@ -120,4 +120,5 @@ class Collectives:
 
     def close(self) -> None:
         if self.active:
+            self.active = False
             dist.destroy_process_group()

@@ -51,6 +51,9 @@ def drafter_config(
         rope_parameters=getattr(t, "rope_parameters", None),
         tie_word_embeddings=False,
     )
+    # What DFlash inference code (z-lab/dflash, which SGLang and vLLM follow) reads, where it reads it.
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.block_size, cfg.num_target_layers = block_size, t.num_hidden_layers
     cfg.dflash_config = {"block_size": block_size, "target_layer_ids": list(tap_ids), "mask_token_id": mask_token_id}
     return cfg
 
@@ -233,10 +236,14 @@ class Drafter(nn.Module):
             hidden = self(features, block_ids, position_ids, mask)
             return chunked_loss(hidden, self.lm_head, labels, weights, chunk_blocks)
 
-    @torch.no_grad()
     def draft(self, features: torch.Tensor, anchor_token: int) -> list[int]:
         """Greedy draft of the ``bs - 1`` tokens after ``anchor_token``, the token right after the
         context whose tapped target states are ``features`` [1, S, k * D]. Call in eval mode."""
+        return self.draft_logits(features, anchor_token).argmax(-1)[0].tolist()
+
+    @torch.no_grad()
+    def draft_logits(self, features: torch.Tensor, anchor_token: int) -> torch.Tensor:
+        """The logits [1, bs - 1, vocab] :meth:`draft` takes its tokens from."""
         device = self.fc.weight.device
         features = features.to(device)
         ctx_len = features.shape[1]
@@ -248,8 +255,7 @@ class Drafter(nn.Module):
         mask = build_mask(anchors, keep, ctx_len, self.block_size, flex=False)
         with autocast(device):
             hidden = self(features, block_ids, position_ids, mask)
-            logits = self.lm_head(hidden[:, 1:])
-        return logits.argmax(-1)[0].tolist()
+            return self.lm_head(hidden[:, 1:]).float()
 
 
 def checkpointed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

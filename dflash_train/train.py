@@ -1,7 +1,9 @@
 """The training job: set up target, drafter replicas and threads, measure tau, train, measure again.
 
 ``train(config)`` is the whole job and can be driven from Python (benchmarks use it with tiny sizes);
-``python -m dflash_train`` is a command line around it.
+``python -m dflash_train`` is a command line around it. ``Trainer`` holds the job's parts; its
+``train_step`` is one replica's step, read top to bottom, and ``_run_threads`` the threads around the steps
+(the workers themselves, the queues, the barrier, the watchdog and Ctrl-C are in ``workers``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .config import ConfigError, Ranks, TrainConfig, parse_devices
 from .data import eval_prompts
 from .distributed import Collectives
 from .evaluate import acceptance_length, show_blocks
+from .export import write_export
 from .model import Drafter, drafter_config, make_replicas
 from .report import MetricsLog, plot_metrics
 from .target import Target, load_target, prepare_target, regenerate
@@ -139,103 +142,182 @@ def uses_cudagraphs(cfg: TrainConfig, device: torch.device) -> bool:
 
 def train(config: TrainConfig) -> TrainResult:
     """The whole job. Under torchrun, every rank calls it; rank 0 alone writes outputs and reports."""
-    started = time.monotonic()
-    cfg = config.resolved()
-    ranks = Ranks.from_env()
-    out = Path(cfg.out_dir)
-    ckpt = out / "checkpoint.safetensors"
-    if cfg.resume and not ckpt.is_file():
-        raise ConfigError(
-            f"--resume: there is no checkpoint at {ckpt} (run once without --resume; under torchrun on several "
-            "hosts, --out-dir must be on a filesystem they share)"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    offset = cuda_offset(cfg, ranks)
-    target_devices = resolve_devices(cfg.target_devices, "--target-devices", offset)
-    drafter_devices = [
-        d
-        for d in resolve_devices(cfg.drafter_devices, "--drafter-devices", offset)
-        for _ in range(cfg.drafter_threads_per_device)
-    ]
-    collectives = Collectives(ranks, drafter_devices[0], cfg.dist_timeout, gloo_only=cfg.ranks_share_devices)
-    collectives.check_same(len(drafter_devices), "drafter threads")
+    trainer = Trainer(config)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
 
-    with collectives.local_main_first():  # one process per host fills the cache, the others read it
-        path, tokenizer, corpus = prepare_target(cfg, target_devices[0])
-        targets = [load_target(path, d, cfg.drafter_layers) for d in target_devices]
-        tokens = regenerate(cfg, targets[0], path, corpus, tokenizer.eos_token_id) if cfg.regenerate else corpus.train
-    dcfg = drafter_config(
-        targets[0].model.config, cfg.drafter_layers, cfg.block_size, targets[0].tap_ids, tokenizer.mask_token_id
-    )
-    replicas = make_replicas(dcfg, frozen_heads(targets, set(drafter_devices)), drafter_devices, cfg.seed)
-    optimizers = [
-        # Fused: one kernel for the whole update rather than one multi-tensor launch per moment and parameter list.
-        torch.optim.AdamW(r.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
-        for r in replicas
-    ]
-    # Every rank reads the checkpoint itself (so several hosts need a shared --out-dir).
-    start = load_checkpoint(ckpt, cfg, replicas, optimizers) if cfg.resume else 0
-    for replica in replicas:  # the same seed made them equal; this makes sure of it, cheaply
-        collectives.broadcast_(list(replica.parameters()))
-    end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
-    if ranks.is_main:
-        print(
-            f"target {cfg.target!r}: {targets[0].model.config.num_hidden_layers} layers, hidden "
-            f"{targets[0].hidden_size}, tapped layers {targets[0].tap_ids}; drafter: {cfg.drafter_layers} layers, "
-            f"{sum(p.numel() for p in replicas[0].parameters()):,} trainable parameters, block {cfg.block_size}; "
-            f"{len(replicas)} drafter threads on {cfg.drafter_devices}, {len(targets)} target thread(s) on "
+
+class Trainer:
+    """The parts of one rank's job: target threads' models, drafter replicas and their optimizers, the
+    training tokens, metrics and the collectives to the other ranks.
+
+    ``train_step`` is one replica's optimizer step and ``target_step`` one step's batch through a target;
+    ``fit`` runs them in threads (see ``_run_threads``: queues, watchdog, Ctrl-C) between two evaluations."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.started = time.monotonic()
+        self.metrics: MetricsLog | None = None
+        self.collectives: Collectives | None = None
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: TrainConfig) -> None:
+        cfg = self.cfg = config.resolved()
+        ranks = self.ranks = Ranks.from_env()
+        out = self.out = Path(cfg.out_dir)
+        self.ckpt = out / "checkpoint.safetensors"
+        if cfg.resume and not self.ckpt.is_file():
+            raise ConfigError(
+                f"--resume: there is no checkpoint at {self.ckpt} (run once without --resume; under torchrun on "
+                "several hosts, --out-dir must be on a filesystem they share)"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        offset = cuda_offset(cfg, ranks)
+        self.target_devices = resolve_devices(cfg.target_devices, "--target-devices", offset)
+        self.drafter_devices = [
+            d
+            for d in resolve_devices(cfg.drafter_devices, "--drafter-devices", offset)
+            for _ in range(cfg.drafter_threads_per_device)
+        ]
+        self.collectives = Collectives(
+            ranks, self.drafter_devices[0], cfg.dist_timeout, gloo_only=cfg.ranks_share_devices
+        )
+        self.collectives.check_same(len(self.drafter_devices), "drafter threads")
+
+        with self.collectives.local_main_first():  # one process per host fills the cache, the others read it
+            path, self.tokenizer, corpus = prepare_target(cfg, self.target_devices[0])
+            self.target_path = path
+            self.targets = [load_target(path, d, cfg.drafter_layers) for d in self.target_devices]
+            eos = self.tokenizer.eos_token_id
+            self.tokens = regenerate(cfg, self.targets[0], path, corpus, eos) if cfg.regenerate else corpus.train
+        target = self.targets[0]
+        dcfg = drafter_config(
+            target.model.config, cfg.drafter_layers, cfg.block_size, target.tap_ids, self.tokenizer.mask_token_id
+        )
+        heads = frozen_heads(self.targets, set(self.drafter_devices))
+        self.replicas = make_replicas(dcfg, heads, self.drafter_devices, cfg.seed)
+        self.optimizers = [
+            # Fused: one kernel for the whole update rather than one multi-tensor launch per moment and parameter list.
+            torch.optim.AdamW(r.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
+            for r in self.replicas
+        ]
+        self.lr_at = lr_schedule(cfg)
+        # Every rank reads the checkpoint itself (so several hosts need a shared --out-dir).
+        self.start = load_checkpoint(self.ckpt, cfg, self.replicas, self.optimizers) if cfg.resume else 0
+        for replica in self.replicas:  # the same seed made them equal; this makes sure of it, cheaply
+            self.collectives.broadcast_(list(replica.parameters()))
+        self.end = min(cfg.steps, self.start + cfg.stop_after) if cfg.stop_after else cfg.steps
+        self.metrics = MetricsLog(
+            out / "metrics.jsonl" if ranks.is_main else None, append=cfg.resume, started=self.started
+        )
+        self.prompts = eval_prompts(corpus.held_out, cfg.eval_prompts, cfg.eval_prompt_len) if cfg.eval_prompts else []
+
+    def describe(self) -> str:
+        cfg, target, ranks = self.cfg, self.targets[0], self.ranks
+        return (
+            f"target {cfg.target!r}: {target.model.config.num_hidden_layers} layers, hidden "
+            f"{target.hidden_size}, tapped layers {target.tap_ids}; drafter: {cfg.drafter_layers} layers, "
+            f"{sum(p.numel() for p in self.replicas[0].parameters()):,} trainable parameters, block {cfg.block_size}; "
+            f"{len(self.replicas)} drafter threads on {cfg.drafter_devices}, {len(self.targets)} target thread(s) on "
             f"{cfg.target_devices}"
             + (f"; in each of {ranks.world_size} ranks" if ranks.world_size > 1 else "")
-            + (f"; drafter step compiled with mode {cfg.compile_mode}" if cfg.compile_mode != "default" else ""),
-            flush=True,
+            + (f"; drafter step compiled with mode {cfg.compile_mode}" if cfg.compile_mode != "default" else "")
         )
 
-    metrics = MetricsLog(out / "metrics.jsonl" if ranks.is_main else None, append=cfg.resume, started=started)
-    prompts = eval_prompts(corpus.held_out, cfg.eval_prompts, cfg.eval_prompt_len) if cfg.eval_prompts else []
+    # --- one step ---------------------------------------------------------------------------------------
 
-    def evaluate(step: int, when: str) -> float | None:
+    def target_step(self, target: Target, step: int) -> list[StepBatch]:
+        """This rank's shard of the step's batch (the job's global batch and loss normalisation are those of
+        one process with all the job's replicas), with the target's hidden states: one shard per replica,
+        on that replica's device."""
+        cfg = self.cfg
+        batch = make_step_batch(
+            self.tokens,
+            step,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            num_anchors=cfg.num_anchors,
+            block_size=cfg.block_size,
+            gamma=cfg.loss_gamma,
+            seed=cfg.seed,
+        ).split(self.ranks.world_size)[self.ranks.rank]
+        batch.features = target.features(batch.input_ids)
+        shards = batch.split(len(self.replicas))
+        return [shard.to(device) for shard, device in zip(shards, self.drafter_devices)]
+
+    def train_step(self, index: int, batch: StepBatch) -> None:
+        """One optimizer step of replica ``index``; every replica takes its step at the same time.
+
+        With CUDA graphs (--compile-mode reduce-overhead) the step begins with
+        ``torch.compiler.cudagraph_mark_step_begin()``: the memory of the previous step's graph outputs may be
+        reused from there. Nothing keeps such an output across steps: the loss and the accuracy are computed
+        outside the graphs, and the gradients, graph outputs of the backward, are dropped at the end of the
+        step. The mark is this thread's: torchfix makes it per thread (torch keeps one process-wide counter,
+        which would start a new step in every other thread's CUDA graphs in the middle of theirs)."""
+        replica, optimizer, device = self.replicas[index], self.optimizers[index], self.drafter_devices[index]
+        if uses_cudagraphs(self.cfg, device):
+            torch.compiler.cudagraph_mark_step_begin()
+        flex = device.type == "cuda" and self.cfg.compile
+        loss, correct = replica.training_loss(batch, flex=flex, chunk_blocks=self.cfg.loss_chunk)
+        loss.backward()
+        self.sync.wait(index, loss, correct, batch.supervised)  # the replicas' gradients averaged (all ranks)
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr_at(batch.step)
+        optimizer.step()
+        # Dropped, not zeroed: with CUDA graphs the layers' gradients are graph outputs (see above).
+        optimizer.zero_grad(set_to_none=True)
+
+    def after_step(self, done: int, last: bool) -> None:
+        """Replica 0's report of a step (rank 0 checkpoints), between its steps."""
+        self.job.events.put({"type": "train", "step": done, "figures": self.sync.figures, "lr": self.lr_at(done - 1)})
+        if self.ranks.is_main and (last or (self.cfg.save_every and done % self.cfg.save_every == 0)):
+            save_checkpoint(self.ckpt, self.replicas[0], self.optimizers[0], done, self.cfg, self.target_path)
+
+    # --- the job ----------------------------------------------------------------------------------------
+
+    def evaluate(self, step: int, when: str) -> float | None:
         """tau, on rank 0 only: the others wait without the step timeout, however long it takes (rather
         than evaluating too, which would compete with rank 0 for the cores of a shared host)."""
-        if not prompts:
+        if not self.prompts:
             return None
         tau = None
-        if ranks.is_main:
-            tau, generations = acceptance_length(targets[0], replicas[0], prompts, cfg.eval_new_tokens)
-            metrics.write("eval", step=step, tau=tau)
-            sample = show_blocks(generations[0], cfg.eval_prompt_len, tokenizer.decode)
+        if self.ranks.is_main:
+            cfg = self.cfg
+            tau, generations = acceptance_length(self.targets[0], self.replicas[0], self.prompts, cfg.eval_new_tokens)
+            self.metrics.write("eval", step=step, tau=tau)
+            sample = show_blocks(generations[0], cfg.eval_prompt_len, self.tokenizer.decode)
             print(
-                f"tau {when}: {tau:.2f} (mean tokens per target forward, {len(prompts)} held-out prompts x "
+                f"tau {when}: {tau:.2f} (mean tokens per target forward, {len(self.prompts)} held-out prompts x "
                 f"{cfg.eval_new_tokens} tokens, block {cfg.block_size}); blocks of the first: {sample!r}",
                 flush=True,
             )
-        collectives.wait_for_others()
+        self.collectives.wait_for_others()
         return tau
 
-    try:
-        tau_before = evaluate(start, "before training" if start == 0 else f"at step {start} (resumed)")
-        for replica, device in zip(replicas, drafter_devices):
+    def fit(self) -> TrainResult:
+        """Evaluate, train steps [start, end) in threads, evaluate again; write the summary and the plot."""
+        cfg, ranks, metrics, start = self.cfg, self.ranks, self.metrics, self.start
+        if ranks.is_main:
+            print(self.describe(), flush=True)
+        tau_before = self.evaluate(start, "before training" if start == 0 else f"at step {start} (resumed)")
+        for replica, device in zip(self.replicas, self.drafter_devices):
             compile_replica(replica, device, cfg)
-        cpu_workers = sum(d.type == "cpu" for d in [*drafter_devices, *target_devices]) * ranks.local_world_size
-        with cpu_thread_budget(cpu_workers):
-            run = _run_threads(
-                cfg,
-                ranks,
-                collectives,
-                targets,
-                replicas,
-                optimizers,
-                drafter_devices,
-                tokens,
-                start,
-                end,
-                metrics,
-                ckpt,
-            )
-        tau_after = None if run.interrupted or run.steps_done == start else evaluate(run.steps_done, "after training")
+            replica.train()
+        cpu_workers = sum(d.type == "cpu" for d in [*self.drafter_devices, *self.target_devices])
+        with cpu_thread_budget(cpu_workers * ranks.local_world_size):
+            run = self._run_threads()
+        tau_after = (
+            None if run.interrupted or run.steps_done == start else self.evaluate(run.steps_done, "after training")
+        )
         dynamo = dynamo_summary()
-        memory = peak_memory({*target_devices, *drafter_devices})
+        memory = peak_memory({*self.target_devices, *self.drafter_devices})
         # Every rank's first-step times, compile counters and peak memory go to rank 0's metrics.
-        for rank, (times, counters, peaks) in enumerate(collectives.gather((run.first_step_s, dynamo, memory))):
+        for rank, (times, counters, peaks) in enumerate(self.collectives.gather((run.first_step_s, dynamo, memory))):
             for thread, seconds in times.items():
                 metrics.write("first_step", rank=rank, thread=thread, seconds=seconds)
             metrics.write("dynamo", rank=rank, **counters)
@@ -250,24 +332,117 @@ def train(config: TrainConfig) -> TrainResult:
             interrupted=run.interrupted,
             compile_mode=cfg.compile_mode,
         )
-    finally:
         metrics.close()
-    if ranks.is_main and run.steps_done > start:
-        plot_metrics(out / "metrics.jsonl", out / "plot.png")
-    collectives.close()
-    return TrainResult(
-        run.steps_done,
-        tau_before,
-        tau_after,
-        run.final_loss,
-        run.tokens_per_s,
-        time.monotonic() - started,
-        run.interrupted,
-        out,
-        replicas,
-        run.first_step_s,
-        dynamo,
-    )
+        if ranks.is_main and run.steps_done > start:
+            plot_metrics(self.out / "metrics.jsonl", self.out / "plot.png")
+            if cfg.export:
+                drafter = self.replicas[0]
+                write_export(drafter.config, drafter.state_dict(), Path(cfg.export), target_path=self.target_path)
+        return TrainResult(
+            run.steps_done,
+            tau_before,
+            tau_after,
+            run.final_loss,
+            run.tokens_per_s,
+            time.monotonic() - self.started,
+            run.interrupted,
+            self.out,
+            self.replicas,
+            run.first_step_s,
+            dynamo,
+        )
+
+    def close(self) -> None:
+        """Close the metrics file and leave the process group, whether the job finished or failed."""
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.collectives is not None:
+            self.collectives.close()
+
+    # --- the threads around the steps -------------------------------------------------------------------
+
+    def _run_threads(self) -> _Run:
+        """Steps [start, end): one thread per target and per replica, joined by bounded queues (target to
+        replica) and the replicas' barrier; the main thread reports progress until they finish, under the
+        watchdog and the Ctrl-C handler."""
+        cfg, start, end = self.cfg, self.start, self.end
+        if start >= end:
+            return _Run(start, None, None, False, {})
+        job = self.job = Job(self.started)
+        self.sync = StepSync(self.replicas, job, self.collectives, cfg.grad_clip)
+        inboxes: list[queue.Queue] = [queue.Queue(maxsize=cfg.queue_size) for _ in self.replicas]
+        fault = cfg.fault if self.ranks.is_last else ""  # one failing rank is the interesting case
+        turnstile = Turnstile(start)
+        for i, target in enumerate(self.targets):
+            steps = range(start + i, end, len(self.targets))
+            work = partial(self.target_step, target)
+            job.start(
+                f"target-{i} ({target.device})", partial(target_worker, job, work, steps, turnstile, inboxes, fault)
+            )
+        last = len(self.replicas) - 1
+        for index, device in enumerate(self.drafter_devices):
+            job.start(
+                f"drafter-{index} ({device})",
+                partial(
+                    drafter_worker,
+                    job,
+                    partial(self.train_step, index),
+                    inboxes[index],
+                    self.sync,
+                    range(start, end),
+                    after_step=self.after_step if index == 0 else None,
+                    fault=fault if index == last else "",  # on the last drafter thread
+                ),
+            )
+        with Watchdog(job, cfg.watchdog_timeout), stop_on_ctrl_c(job):
+            try:
+                run = self._follow(job, inboxes)
+            finally:
+                job.close()  # releases the target workers (and everyone else, after a failure or a second Ctrl-C)
+            deadline = time.monotonic() + 30  # a thread busy compiling leaves at its next step boundary
+            for thread in job.threads:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if job.failure is not None:
+            raise job.failure
+        return run
+
+    def _follow(self, job: Job, inboxes: list[queue.Queue]) -> _Run:
+        """The main thread while the workers train: step reports to the metrics and the progress bar."""
+        cfg, start, end = self.cfg, self.start, self.end
+        tokens_per_step = cfg.batch_size * cfg.seq_len  # the job's, all ranks together
+        show = cfg.progress and self.ranks.is_main
+        drafters = [t for t in job.threads if t.name.startswith("drafter")]
+        done, loss, first_report, rate = start, None, None, None
+        first_step_s: dict[str, float] = {}
+        announced_stop = False
+        with tqdm(total=end, initial=start, desc="drafter", unit="step", disable=not show, dynamic_ncols=True) as bar:
+            while job.failure is None:
+                if job.stop_requested.is_set() and not announced_stop:
+                    bar.write("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to quit at once)")
+                    announced_stop = True
+                try:
+                    event = job.events.get(timeout=0.2)
+                except queue.Empty:
+                    if not any(t.is_alive() for t in drafters):
+                        break  # all reports are in: replica 0 posts before it leaves
+                    continue
+                if event.pop("type") == "first_step":
+                    first_step_s[event["thread"]] = event["seconds"]
+                    continue
+                event.update(event.pop("figures").read())  # waits for the GPU to reach the step's end
+                now = time.monotonic()
+                done, loss = event["step"], event["loss"]
+                # Throughput from the second report on: the first step includes compilation.
+                if first_report is None:
+                    first_report = now
+                elif now > first_report:
+                    rate = (done - start - 1) * tokens_per_step / (now - first_report)
+                depth = sum(q.qsize() for q in inboxes)
+                self.metrics.write("train", **event, tokens_per_s=rate, queue_depth=depth)
+                bar.update(done - bar.n)
+                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{event['acc']:.2f}", tok_s=f"{rate or 0:.0f}", queue=depth)
+        # Stopped early: by Ctrl-C, here or on another rank (the stop decision is the job's).
+        return _Run(done, loss, rate, done < end, first_step_s)
 
 
 def peak_memory(devices: set[torch.device]) -> dict[str, float]:
@@ -308,116 +483,3 @@ class _Run:
     tokens_per_s: float | None
     interrupted: bool
     first_step_s: dict[str, float]
-
-
-def _run_threads(
-    cfg: TrainConfig,
-    ranks: Ranks,
-    collectives: Collectives,
-    targets: list[Target],
-    replicas: list[Drafter],
-    optimizers: list[torch.optim.Optimizer],
-    devices: list[torch.device],
-    tokens: torch.Tensor,
-    start: int,
-    end: int,
-    metrics: MetricsLog,
-    ckpt: Path,
-) -> _Run:
-    """Start the target and drafter threads for steps [start, end); report progress until they finish."""
-    if start >= end:
-        return _Run(start, None, None, False, {})
-    job = Job(metrics.started)
-    sync = StepSync(replicas, job, collectives, cfg.grad_clip)
-    inboxes: list[queue.Queue] = [queue.Queue(maxsize=cfg.queue_size) for _ in replicas]
-
-    def make_batch(step: int) -> StepBatch:
-        """This rank's shard of the step's batch: the job's global batch and loss normalisation are those of
-        one process with all the job's replicas."""
-        batch = make_step_batch(
-            tokens,
-            step,
-            batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            num_anchors=cfg.num_anchors,
-            block_size=cfg.block_size,
-            gamma=cfg.loss_gamma,
-            seed=cfg.seed,
-        )
-        return batch.split(ranks.world_size)[ranks.rank]
-
-    fault = cfg.fault if ranks.is_last else ""  # one failing rank is the interesting case
-    turnstile = Turnstile(start)
-    for i, target in enumerate(targets):
-        steps = range(start + i, end, len(targets))
-        job.start(
-            f"target-{i} ({target.device})",
-            partial(target_worker, job, target, make_batch, steps, turnstile, inboxes, devices, fault),
-        )
-
-    def after_step(done: int, last: bool) -> None:  # runs in drafter thread 0 of rank 0, between its steps
-        if last or (cfg.save_every and done % cfg.save_every == 0):
-            save_checkpoint(ckpt, replicas[0], optimizers[0], done, cfg)
-
-    for index, (replica, optimizer, device) in enumerate(zip(replicas, optimizers, devices)):
-        job.start(
-            f"drafter-{index} ({device})",
-            partial(
-                drafter_worker,
-                job,
-                index,
-                replica,
-                optimizer,
-                inboxes[index],
-                sync,
-                range(start, end),
-                lr_at=lr_schedule(cfg),
-                flex=device.type == "cuda" and cfg.compile,
-                chunk_blocks=cfg.loss_chunk,
-                fault=fault,
-                after_step=after_step if index == 0 and ranks.is_main else None,
-                cudagraph_steps=uses_cudagraphs(cfg, device),
-            ),
-        )
-
-    tokens_per_step = cfg.batch_size * cfg.seq_len  # the job's, all ranks together
-    show = cfg.progress and ranks.is_main
-    bar = tqdm(total=end, initial=start, desc="drafter", unit="step", disable=not show, dynamic_ncols=True)
-    drafters = [t for t in job.threads if t.name.startswith("drafter")]
-    done, loss, first_report, rate = start, None, None, None
-    first_step_s: dict[str, float] = {}
-    announced_stop = False
-    with Watchdog(job, cfg.watchdog_timeout), bar, stop_on_ctrl_c(job):
-        while job.failure is None:
-            if job.stop_requested.is_set() and not announced_stop:
-                bar.write("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to quit at once)")
-                announced_stop = True
-            try:
-                event = job.events.get(timeout=0.2)
-            except queue.Empty:
-                if not any(t.is_alive() for t in drafters):
-                    break  # all reports are in: replica 0 posts before it leaves
-                continue
-            if event.pop("type") == "first_step":
-                first_step_s[event["thread"]] = event["seconds"]
-                continue
-            event.update(event.pop("figures").read())  # waits for the GPU to reach the step's end
-            now = time.monotonic()
-            done, loss = event["step"], event["loss"]
-            # Throughput from the second report on: the first step includes compilation.
-            if first_report is None:
-                first_report = now
-            elif now > first_report:
-                rate = (done - start - 1) * tokens_per_step / (now - first_report)
-            depth = sum(q.qsize() for q in inboxes)
-            metrics.write("train", **event, tokens_per_s=rate, queue_depth=depth)
-            bar.update(done - bar.n)
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{event['acc']:.2f}", tok_s=f"{rate or 0:.0f}", queue=depth)
-        job.close()  # releases the target workers (and everyone else, after a failure)
-        deadline = time.monotonic() + 30  # a thread busy compiling leaves at its next step boundary
-        for thread in job.threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-    if job.failure is not None:
-        raise job.failure
-    # Stopped early: by Ctrl-C, here or on another rank (the stop decision is the job's).
-    return _Run(done, loss, rate, done < end, first_step_s)

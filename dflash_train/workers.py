@@ -29,7 +29,6 @@ from .batch import StepBatch
 from .config import FAULT_SPEC
 from .distributed import Collectives
 from .model import Drafter
-from .target import Target
 
 EXIT_WATCHDOG = 3
 
@@ -148,19 +147,17 @@ class Turnstile:
 
 def target_worker(
     job: Job,
-    target: Target,
-    make_batch: Callable[[int], StepBatch],
+    work: Callable[[int], list[StepBatch]],
     steps: range,
     turnstile: Turnstile,
     queues: list[queue.Queue],
-    devices: list[torch.device],
     fault: str,
 ) -> None:
+    """For each of ``steps``: ``work(step)`` (one shard per drafter replica), then the shards into the
+    replicas' queues, in step order."""
     for step in steps:
         inject_fault(fault, "target", step)
-        batch = make_batch(step)
-        batch.features = target.features(batch.input_ids)
-        shards = [shard.to(device) for shard, device in zip(batch.split(len(queues)), devices)]
+        shards = work(step)
         turnstile.wait_turn(step, job)
         for q, shard in zip(queues, shards):
             job.put(q, shard)
@@ -273,55 +270,31 @@ class StepSync:
 
 def drafter_worker(
     job: Job,
-    index: int,
-    replica: Drafter,
-    optimizer: torch.optim.Optimizer,
+    train_step: Callable[[StepBatch], None],
     inbox: queue.Queue,
     sync: StepSync,
     steps: range,
     *,
-    lr_at: Callable[[int], float],
-    flex: bool,
-    chunk_blocks: int,
-    fault: str,
     after_step: Callable[[int, bool], None] | None,
-    cudagraph_steps: bool = False,
+    fault: str,
 ) -> None:
-    """Train ``replica`` for ``steps``. Replica 0 reports each step and calls ``after_step(done, last)``
-    (checkpointing) with the number of steps done and whether the run ends there. Every replica reports
-    when its first step is done (with compilation, the time a user waits for training to start).
-
-    ``cudagraph_steps``: the replica's layers replay CUDA graphs (--compile-mode reduce-overhead), and each
-    step begins with ``torch.compiler.cudagraph_mark_step_begin()``: the memory of the previous step's graph
-    outputs may be reused from there. Nothing keeps such an output across steps: the loss and the accuracy
-    are computed outside the graphs, and the gradients, graph outputs of the backward, are dropped at the
-    end of the step. The mark is this thread's: torchfix makes it per thread (torch keeps one process-wide
-    counter, which would start a new step in every other thread's CUDA graphs in the middle of theirs)."""
-    replica.train()
+    """``train_step`` on each batch of ``inbox``, for ``steps``, and ``after_step(done, last)`` after each
+    (replica 0: reports, checkpoints) with the number of steps done and whether the run ends there. Each
+    replica reports when its first step is done (with compilation, the time a user waits for training to
+    start). Every replica leaves after the same step: the last, or the one the barrier's stop decision
+    (Ctrl-C on any rank) ends."""
     for step in steps:
-        if index == sync.size - 1:
-            inject_fault(fault, "drafter", step)
+        inject_fault(fault, "drafter", step)
         batch: StepBatch = job.get(inbox)  # type: ignore[assignment]
-        assert batch.step == step, f"replica {index} expected step {step}, got {batch.step}"
-        if cudagraph_steps:
-            torch.compiler.cudagraph_mark_step_begin()
-        loss, correct = replica.training_loss(batch, flex=flex, chunk_blocks=chunk_blocks)
-        loss.backward()
-        sync.wait(index, loss, correct, batch.supervised)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
-        optimizer.step()
-        # Dropped, not zeroed: with CUDA graphs the layers' gradients are graph outputs (see above).
-        optimizer.zero_grad(set_to_none=True)
+        assert batch.step == step, f"{threading.current_thread().name} expected step {step}, got {batch.step}"
+        train_step(batch)
         job.progress()
         if step == steps[0]:
             seconds = round(time.monotonic() - job.started, 3)
             job.events.put({"type": "first_step", "thread": threading.current_thread().name, "seconds": seconds})
         last = sync.stop or step == steps[-1]
-        if index == 0:
-            job.events.put({"type": "train", "step": step + 1, "figures": sync.figures, "lr": lr_at(step)})
-            if after_step is not None:
-                after_step(step + 1, last)
+        if after_step is not None:
+            after_step(step + 1, last)
         if last:
             return
 

@@ -210,3 +210,11 @@ def test_config_file_and_unknown_keys(tmp_path, capsys, main_env):
     with pytest.raises(SystemExit):
         main(["--config", str(wrong_type)])
     assert "'steps' must be int" in capsys.readouterr().err
+
+
+def test_export_command_bad_input_gets_one_clear_message(tmp_path, capsys, main_env):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(tmp_path / "no-run"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("dflash-train export: error: ") and "Traceback" not in err
+    assert "no checkpoint.safetensors" in err and not (tmp_path / "out").exists()

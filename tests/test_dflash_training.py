@@ -203,3 +203,63 @@ def test_a_failure_inside_the_compiled_layer_stops_the_job(tiny, cudagraph_code_
         train(cfg)
     assert "RuntimeError: failure inside the compiled layer" in str(failed.value)
     assert "Traceback (most recent call last)" in str(failed.value)
+
+
+# --- export: the folder DFlash serving code loads (issue 15) ----------------------------------------------
+
+
+def test_export_loads_back_from_its_folder_with_the_same_logits_and_drafts(tiny, tmp_path):
+    from dflash_train.evaluate import acceptance_length
+    from dflash_train.export import export_run, load_exported
+    from dflash_train.target import load_target
+
+    cfg = dataclasses.replace(tiny, steps=3, export=str(tmp_path / "bf16"))
+    trained = train(cfg).drafters[0]
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["num_target_layers"] == 5
+    assert (
+        config["block_size"] == 8
+        and config["dflash_config"]["target_layer_ids"] == trained.config.dflash_config["target_layer_ids"]
+    )
+    assert config["dflash_config"]["mask_token_id"] == trained.mask_token_id and config["dtype"] == "bfloat16"
+    saved = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    per_layer = [f"self_attn.{p}_proj" for p in "qkvo"] + ["self_attn.q_norm", "self_attn.k_norm"]
+    per_layer += [f"mlp.{p}_proj" for p in ("gate", "up", "down")] + ["input_layernorm", "post_attention_layernorm"]
+    expected = {f"layers.{i}.{part}.weight" for i in range(cfg.drafter_layers) for part in per_layer}
+    assert set(saved) == expected | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+
+    # From the run's checkpoint, in float32: the drafter it loads back is the trained one.
+    folder = export_run(cfg.out_dir, tmp_path / "fp32", dtype="float32")
+    target = load_target(config["dflash_train"]["target"], torch.device("cpu"), cfg.drafter_layers)
+    loaded = load_exported(folder, target).eval()
+    trained.eval()
+    features = target.features(torch.randint(0, 256, (1, 24)))
+    for anchor in (10, 65, 200):
+        torch.testing.assert_close(loaded.draft_logits(features, anchor), trained.draft_logits(features, anchor))
+    prompts = [torch.randint(0, 256, (16,)) for _ in range(2)]
+    tau_loaded, drafts_loaded = acceptance_length(target, loaded, prompts, 24)
+    tau_trained, drafts_trained = acceptance_length(target, trained, prompts, 24)
+    assert tau_loaded == tau_trained and drafts_loaded == drafts_trained
+
+
+def test_export_refuses_bad_input_with_one_message(tiny, tmp_path):
+    from dflash_train.export import export_run
+
+    with pytest.raises(ConfigError, match="no checkpoint.safetensors"):
+        export_run(tmp_path / "nothing", tmp_path / "out")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="corrupt"):
+        export_run(run, tmp_path / "out")
+    cfg = dataclasses.replace(tiny, steps=1, out_dir=str(run))
+    train(cfg)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not an exported drafter"):
+        export_run(run, other)
+    assert (other / "keep.txt").read_text() == "mine"
+    with pytest.raises(ConfigError, match="--dtype"):
+        export_run(run, tmp_path / "out", dtype="int8")
