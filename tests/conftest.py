@@ -35,6 +35,8 @@ HAS_H5_FIX = TORCH_VERSION.release >= (2, 6)
 # Dynamo 2.2 keeps the backends its guards look up (eval_frame's cached_backends) per thread, so code compiled in
 # one thread fails its guard with KeyError in another that compiled it again; 2.1 guards no backend, 2.3 shares them.
 HAS_PER_THREAD_GUARDED_BACKENDS = TORCH_VERSION.release[:2] == (2, 2)
+# torch._ops.get_cached_ops() (2.1+) hands out the live process-wide set, which pre-dispatch mode pushes iterate.
+HAS_CACHED_OPS = (2, 1) <= TORCH_VERSION.release < UNCHECKED
 # Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
 # torch.export._trace's _EXPORT_MODULE_HIERARCHY (2.4+; _EXPORT_FLAGS, only for logs, from 2.3): globals to 2.15.

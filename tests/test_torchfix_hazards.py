@@ -7,6 +7,7 @@ proves nothing); with torchfix it must be gone.
 
 import pytest
 from conftest import (
+    HAS_CACHED_OPS,
     HAS_EXPORT_BUILTINS,
     HAS_EXPORT_LOAD,
     HAS_EXPORT_SAVE,
@@ -82,6 +83,7 @@ STATE_ELSEWHERE = [
     ("stance_elsewhere", "compile-stance", HAS_STANCE, "torch.compiler.set_stance (2.6+)", ""),
     ("node_meta_elsewhere", "fx-node-meta", HAS_NODE_META, "", ""),
     ("guarded_backends_elsewhere", "guarded-backends", HAS_PER_THREAD_GUARDED_BACKENDS, "", "KeyError"),
+    ("cached_ops_elsewhere", "cached-ops", HAS_CACHED_OPS, "torch._ops.get_cached_ops (2.1+)", "Set changed size"),
     ("export_trace_elsewhere", "export-trace-state", HAS_EXPORT_TRACE, "non-strict export", ""),
     ("export_load_elsewhere", "export-deserializer", HAS_EXPORT_LOAD, "the export deserializer global (2.3+)", ""),
     (

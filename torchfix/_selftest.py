@@ -276,6 +276,32 @@ def guarded_backends_elsewhere(timeout: float = 60.0) -> Result:
     return Result("guarded backends (compiled in one thread, compiled again and called in another)", failed, detail)
 
 
+def cached_ops_elsewhere(timeout: float = 60.0) -> Result | None:
+    """The main thread iterates ``torch._ops.get_cached_ops()``, as entering a pre-dispatch mode (an export)
+    does; halfway, another thread caches an operator overload's dispatch for the first time
+    (``add_cached_op``). The iteration must finish. None before torch 2.1."""
+    import torch
+    from torch import _ops
+
+    if not hasattr(_ops, "get_cached_ops"):
+        return None
+    aten = torch.ops.aten
+    for op in (aten.sin.default, aten.cos.default):  # at least two, so that the iteration has a halfway
+        _ops.add_cached_op(op)
+    candidates = (aten.tan.default, aten.atan.default, aten.sinh.default, aten.cosh.default, aten.tanh.default)
+    fresh = next((op for op in candidates if op not in _ops.cached_ops), None)
+    if fresh is None:
+        return Result("cached ops", False, "every candidate operator is cached already: nothing to add")
+    ops = iter(_ops.get_cached_ops())
+    next(ops)
+    _in_thread(lambda: _ops.add_cached_op(fresh), timeout)
+    try:
+        rest = sum(1 for _ in ops)
+    except RuntimeError as exc:
+        return Result("cached ops (iterated in one thread, added to in another)", True, f"raised {exc}")
+    return Result("cached ops (iterated in one thread, added to in another)", False, f"iterated {rest + 1} ops")
+
+
 def node_meta_elsewhere(timeout: float = 60.0) -> Result:
     """While thread A records node metadata (``preserve_node_meta()`` and a stack trace, as Dynamo and
     AOTAutograd do for every graph they build), what the main thread's FX graphs would record: nothing."""
@@ -1019,6 +1045,7 @@ def run_all(timeout: float = 60.0) -> list[Result]:
         ("H3", lambda: h3_is_compiling_elsewhere(timeout)),
         ("stance", lambda: stance_elsewhere(timeout)),
         ("guarded backends", lambda: guarded_backends_elsewhere(timeout)),
+        ("cached ops", lambda: cached_ops_elsewhere(timeout)),
         ("node meta", lambda: node_meta_elsewhere(timeout)),
         ("export load", lambda: export_load_elsewhere(timeout)),
         ("export save", lambda: export_save_elsewhere(timeout)),

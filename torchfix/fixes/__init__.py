@@ -3,6 +3,7 @@
 from .._fix import Fix
 from . import (
     backward_compile,
+    cached_ops,
     compile_cache_recheck,
     compile_stance,
     compiler_flags,
@@ -36,6 +37,7 @@ ALL: list[Fix] = [
     export_builtins.FIX,
     export_trace_state.FIX,
     pre_dispatch_modes.FIX,
+    cached_ops.FIX,
     make_fx_tracer.FIX,
     fake_impl_ctx.FIX,
     cudagraph_thread_trees.FIX,
