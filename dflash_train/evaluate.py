@@ -3,7 +3,9 @@
 Each step drafts a block from the last accepted token (the anchor), runs the target once over
 [prefix ; anchor ; draft], accepts the longest draft prefix the target's greedy choice agrees with,
 and appends the target's own next token. The output is therefore exactly the target's greedy
-decoding; tau is the mean number of tokens produced per target forward (1 <= tau <= block size).
+decoding; tau is the mean number of tokens produced per target forward (1 <= tau <= block size),
+reported two ways (``Acceptance``): per prompt and then averaged, as the reference DFlash benchmark
+does, and pooled over all steps of all prompts.
 """
 
 from __future__ import annotations
@@ -23,7 +25,26 @@ Proposer = Callable[[torch.Tensor, int], list[int]]
 @dataclass
 class Generation:
     tokens: list[int]  # prompt + generated
-    accepted: list[int]  # tokens produced by each verification step
+    accepted: list[int]  # tokens produced by each verification step (the last one cut to the token budget)
+    last_cut: bool = False  # whether the token budget cut the last step short
+
+
+@dataclass
+class Acceptance:
+    """tau of a drafter over a set of prompts, and what it is made of."""
+
+    per_prompt: float  # each prompt's mean tokens per step, then the mean over prompts (a step the budget cut left out)
+    pooled: float  # tokens per step over all steps of all prompts, cut steps included
+    histogram: list[float]  # share of the steps that produced k tokens, k = 0 .. block size (k = 0 never happens)
+    generations: list[Generation]
+
+    @classmethod
+    def of(cls, generations: list[Generation], block_size: int) -> Acceptance:
+        steps = [a for g in generations for a in g.accepted]
+        whole = [g.accepted[:-1] if g.last_cut else g.accepted for g in generations]
+        per_prompt = [sum(w) / len(w) for w in whole if w]
+        histogram = [sum(1 for a in steps if a == k) / len(steps) for k in range(block_size + 1)]
+        return cls(sum(per_prompt) / len(per_prompt), sum(steps) / len(steps), histogram, generations)
 
 
 def speculative_generate(target: Target, propose: Proposer, prompt: list[int], max_new_tokens: int) -> Generation:
@@ -45,22 +66,18 @@ def speculative_generate(target: Target, propose: Proposer, prompt: list[int], m
         remaining = max_new_tokens - (len(tokens) - len(prompt))
         tokens.extend(new[:remaining])
         accepted.append(min(len(new), remaining))
-    return Generation(tokens, accepted)
+    return Generation(tokens, accepted, last_cut=bool(accepted) and len(new) > remaining)
 
 
-def acceptance_length(
-    target: Target, drafter: Drafter, prompts: list[torch.Tensor], max_new_tokens: int
-) -> tuple[float, list[Generation]]:
-    """tau of ``drafter`` over ``prompts`` (tokens produced per verification step, all steps pooled) and
-    the generations."""
+def acceptance_length(target: Target, drafter: Drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> Acceptance:
+    """tau of ``drafter`` over ``prompts``, with ``max_new_tokens`` tokens generated after each."""
     was_training = drafter.training
     drafter.eval()
     try:
         generations = [speculative_generate(target, drafter.draft, p.tolist(), max_new_tokens) for p in prompts]
     finally:
         drafter.train(was_training)
-    steps = [a for g in generations for a in g.accepted]
-    return sum(steps) / len(steps), generations
+    return Acceptance.of(generations, drafter.block_size)
 
 
 def show_blocks(generation: Generation, prompt_len: int, decode: Callable[[list[int]], str]) -> str:

@@ -35,7 +35,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(metrics: Path, png: Path) -> None:
-    """Loss and accuracy per step (left), tau at each evaluation (right)."""
+    """Loss and accuracy per step (left), tau at each evaluation (middle), the acceptance histogram of the
+    first and the last evaluation (right)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed; safe outside the main thread
@@ -44,7 +45,7 @@ def plot_metrics(metrics: Path, png: Path) -> None:
     records = read_metrics(metrics)
     train = [r for r in records if r["type"] == "train"]
     evals = [r for r in records if r["type"] == "eval"]
-    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_tau, ax_hist) = plt.subplots(1, 3, figsize=(16, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="loss", color="tab:blue")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("decayed CE loss")
@@ -60,6 +61,15 @@ def plot_metrics(metrics: Path, png: Path) -> None:
     ax_tau.set_ylabel("acceptance length tau")
     ax_tau.set_title("tau (greedy block verification)")
     ax_tau.set_ylim(bottom=0)
+    shown = [r for r in (evals[:1] + evals[1:][-1:]) if "histogram" in r]
+    for offset, r in zip((-0.2, 0.2), shown):
+        bars = range(1, len(r["histogram"]))
+        ax_hist.bar([k + offset for k in bars], r["histogram"][1:], width=0.4, label=f"step {r['step']}")
+    ax_hist.set_xlabel("tokens produced per target forward")
+    ax_hist.set_ylabel("share of verification steps")
+    ax_hist.set_title("acceptance histogram")
+    if shown:
+        ax_hist.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

@@ -281,19 +281,22 @@ class Trainer:
     # --- the job ----------------------------------------------------------------------------------------
 
     def evaluate(self, step: int, when: str) -> float | None:
-        """tau, on rank 0 only: the others wait without the step timeout, however long it takes (rather
-        than evaluating too, which would compete with rank 0 for the cores of a shared host)."""
+        """tau (per prompt, as the reference benchmark computes it), on rank 0 only: the others wait without the
+        step timeout, however long it takes (rather than evaluating too, which would compete with rank 0 for the
+        cores of a shared host)."""
         if not self.prompts:
             return None
         tau = None
         if self.ranks.is_main:
             cfg = self.cfg
-            tau, generations = acceptance_length(self.targets[0], self.replicas[0], self.prompts, cfg.eval_new_tokens)
-            self.metrics.write("eval", step=step, tau=tau)
-            sample = show_blocks(generations[0], cfg.eval_prompt_len, self.tokenizer.decode)
+            found = acceptance_length(self.targets[0], self.replicas[0], self.prompts, cfg.eval_new_tokens)
+            tau = found.per_prompt
+            self.metrics.write("eval", step=step, tau=tau, tau_pooled=found.pooled, histogram=found.histogram)
+            sample = show_blocks(found.generations[0], cfg.eval_prompt_len, self.tokenizer.decode)
             print(
-                f"tau {when}: {tau:.2f} (mean tokens per target forward, {len(self.prompts)} held-out prompts x "
-                f"{cfg.eval_new_tokens} tokens, block {cfg.block_size}); blocks of the first: {sample!r}",
+                f"tau {when}: {tau:.2f} (mean tokens per target forward, per prompt; {found.pooled:.2f} pooled over "
+                f"all steps; {len(self.prompts)} held-out prompts x {cfg.eval_new_tokens} tokens, block "
+                f"{cfg.block_size}); blocks of the first: {sample!r}",
                 flush=True,
             )
         self.collectives.wait_for_others()

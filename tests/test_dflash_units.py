@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.data import ByteTokenizer
-from dflash_train.evaluate import speculative_generate
+from dflash_train.evaluate import Acceptance, Generation, speculative_generate
 from dflash_train.loss import block_targets, chunked_loss, position_weights
 from dflash_train.masks import StaticInputs, anchor_block_mask_mod, build_mask, dense_mask, sample_anchors
 from dflash_train.model import drafter_config, make_replicas
@@ -206,6 +206,14 @@ def test_speculative_decoding_reproduces_target_greedy(tiny_pair):
         assert all(1 <= a <= 8 for a in out.accepted)
         if tau is not None:
             assert sum(out.accepted[:-1]) / len(out.accepted[:-1]) == tau
+
+
+def test_tau_per_prompt_leaves_out_a_step_the_budget_cut_and_pooled_keeps_it():
+    full = Generation(tokens=[], accepted=[4, 4], last_cut=False)
+    cut = Generation(tokens=[], accepted=[2, 2, 1], last_cut=True)  # its last step would have made more
+    found = Acceptance.of([full, cut], block_size=4)
+    assert found.per_prompt == (4 + 2) / 2 and found.pooled == 13 / 5
+    assert found.histogram == [0, 1 / 5, 2 / 5, 0, 2 / 5]
 
 
 # --- --compile-mode (issue 11): which functions are compiled, and how ------------------------------------
