@@ -5,6 +5,7 @@
     nox -s shim                 # the whole matrix (downloads ~3 GB per release)
     nox -s tests                # the full suite (trainer included) on the default torch
     nox -s dflash_client        # an exported drafter in z-lab's reference DFlash client
+    nox -s transformers_floor   # dflash_train on the oldest transformers pyproject.toml allows
 
 Each session asserts that the torch it runs on is the one it asked for. The torch 2.0 session needs a
 python3.10 on PATH (with pyenv: PYENV_VERSION=3.11.7:3.10.13).
@@ -72,6 +73,18 @@ def tests(session: nox.Session) -> None:
     session.install(f"torch=={DEFAULT_TORCH}")
     session.install("-e", ".[test]")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+# The oldest transformers dflash_train is tested with: the floor of its `train` extra in pyproject.toml.
+TRANSFORMERS_FLOOR = "5.17.0"
+
+
+@nox.session(python="3.11")
+def transformers_floor(session: nox.Session) -> None:
+    """dflash_train's unit and training tests on the oldest transformers its `train` extra allows."""
+    session.install(f"torch=={DEFAULT_TORCH}")
+    session.install("-e", ".[test]", f"transformers=={TRANSFORMERS_FLOOR}")
+    session.run("python", "-m", "pytest", "-q", "tests/test_dflash_units.py", "tests/test_dflash_training.py")
 
 
 @nox.session(python="3.11")

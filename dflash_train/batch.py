@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .data import batch_for_step, step_generator
+from .data import TrainingData, step_generator
 from .loss import block_targets
 from .masks import sample_anchors
 
@@ -54,7 +54,7 @@ class StepBatch:
 
 
 def make_step_batch(
-    tokens: torch.Tensor,
+    data: TrainingData,
     step: int,
     *,
     batch_size: int,
@@ -65,8 +65,10 @@ def make_step_batch(
     seed: int,
 ) -> StepBatch:
     """The step's sequences and freshly sampled anchors: a pure function of (seed, step)."""
-    input_ids = batch_for_step(tokens, step, batch_size, seq_len, seed)
-    anchors, keep = sample_anchors(batch_size, seq_len, num_anchors, step_generator(seed, step, stream=1))
-    labels, weights = block_targets(input_ids, anchors, keep, block_size, gamma)
-    norm, supervised = float(weights.sum()), int((weights > 0).sum())
-    return StepBatch(step, input_ids, anchors, keep, labels, weights, loss_norm=norm, supervised=supervised)
+    input_ids, supervised = data.batch(step, batch_size, seq_len, seed)
+    generator = step_generator(seed, step, stream=1)
+    anchors, keep = sample_anchors(batch_size, seq_len, num_anchors, generator, supervised)
+    labels, weights = block_targets(input_ids, anchors, keep, block_size, gamma, supervised)
+    # At least 1: a batch with nothing supervised (every sample ended at once) has a loss of 0, not 0 / 0.
+    norm, counted = max(1.0, float(weights.sum())), int((weights > 0).sum())
+    return StepBatch(step, input_ids, anchors, keep, labels, weights, loss_norm=norm, supervised=counted)

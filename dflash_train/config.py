@@ -46,9 +46,10 @@ class TrainConfig:
     )
     regenerate: int = _opt(
         256,
-        "train on this many greedy continuations written by the target from prompts of the text (the "
-        "DFlash recipe: the drafter learns what the target writes); generated once and cached. 0: train on "
-        "the text itself",
+        "train on this many samples written by the target (the DFlash recipe: the drafter learns what the target "
+        "writes): one per training sequence, a prompt from the text (in the tokenizer's chat template if it has "
+        "one), the target's greedy continuation to its own EOS, padding; only the continuation is supervised. "
+        "Generated once and cached. 0: train on the text itself",
     )
     cache_dir: str = _opt(
         str(Path.home() / ".cache" / "dflash_train"),

@@ -21,10 +21,17 @@ class Tokenizer(Protocol):
     vocab_size: int
     mask_token_id: int
     eos_token_id: int
+    pad_token_id: int
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    # A prompt as the target is asked it: wrapped in the tokenizer's chat template where it has one.
+    def prompt(self, ids: list[int]) -> list[int]: ...
+
+    # What ``prompt`` depends on besides the ids (the chat template), for cache keys.
+    def prompt_format(self) -> str: ...
 
 
 class ByteTokenizer:
@@ -34,12 +41,19 @@ class ByteTokenizer:
     vocab_size = 264  # 259 rounded up to a multiple of 8
     mask_token_id = MASK
     eos_token_id = EOS
+    pad_token_id = PAD
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def prompt(self, ids: list[int]) -> list[int]:
+        return ids  # no chat template
+
+    def prompt_format(self) -> str:
+        return ""
 
 
 class HFTokenizer:
@@ -64,12 +78,26 @@ class HFTokenizer:
         self.mask_token_id = int(self.tok.mask_token_id)
         eos = self.tok.eos_token_id
         self.eos_token_id = int(eos if eos is not None else self.mask_token_id)
+        pad = self.tok.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def prompt(self, ids: list[int]) -> list[int]:
+        """The text of ``ids`` as a user's message, in the chat template (with the assistant's turn opened)."""
+        if not self.tok.chat_template:
+            return ids
+        messages = [{"role": "user", "content": self.decode(ids)}]
+        return list(
+            self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+
+    def prompt_format(self) -> str:
+        return self.tok.chat_template or ""
 
 
 def corpus_files(spec: str) -> list[Path]:
@@ -125,6 +153,25 @@ def batch_for_step(tokens: torch.Tensor, step: int, batch_size: int, seq_len: in
         raise ConfigError(f"the training text has {len(tokens)} tokens, fewer than --seq-len {seq_len}")
     starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=step_generator(seed, step))
     return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
+
+
+@dataclass
+class TrainingData:
+    """What the drafter trains on: the text as one token stream, cut into random windows, every token
+    supervised; or regenerated samples, one per training sequence, ``supervised`` where the target wrote
+    (not the prompt, not the padding after its EOS)."""
+
+    tokens: torch.Tensor  # [T] (the text) or [N, S] (samples)
+    supervised: torch.Tensor | None = None  # [N, S] bool, with samples
+
+    def batch(self, step: int, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's sequences [B, S] and which of their tokens are supervised (None: all)."""
+        if self.supervised is None:
+            return batch_for_step(self.tokens, step, batch_size, seq_len, seed), None
+        if self.tokens.shape[1] != seq_len:
+            raise ConfigError(f"the regenerated samples have {self.tokens.shape[1]} tokens, not --seq-len {seq_len}")
+        rows = torch.randint(0, len(self.tokens), (batch_size,), generator=step_generator(seed, step))
+        return self.tokens[rows], self.supervised[rows]
 
 
 def eval_prompts(held_out: torch.Tensor, count: int, length: int) -> list[torch.Tensor]:

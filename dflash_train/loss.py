@@ -20,14 +20,24 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def block_targets(
-    input_ids: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, block_size: int, gamma: float
+    input_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    block_size: int,
+    gamma: float,
+    supervised: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels [B, N, bs] (token anchor + k) and loss weights [B, N, bs]."""
+    """Labels [B, N, bs] (token anchor + k) and loss weights [B, N, bs]; a label that is not a ``supervised``
+    token (the prompt, padding: [B, S], None for all supervised) weighs 0."""
     seq_len = input_ids.shape[1]
     idx = anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device)  # [B, N, bs]
     in_range = idx < seq_len
-    labels = torch.gather(input_ids, 1, idx.clamp(max=seq_len - 1).flatten(1)).view_as(idx)
-    weights = position_weights(block_size, gamma).to(anchors.device) * (in_range & keep.unsqueeze(-1))
+    flat = idx.clamp(max=seq_len - 1).flatten(1)
+    labels = torch.gather(input_ids, 1, flat).view_as(idx)
+    counted = in_range & keep.unsqueeze(-1)
+    if supervised is not None:
+        counted &= torch.gather(supervised, 1, flat).view_as(idx)
+    weights = position_weights(block_size, gamma).to(anchors.device) * counted
     return labels, weights
 
 

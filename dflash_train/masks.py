@@ -24,23 +24,32 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 
 def sample_anchors(
-    batch_size: int, seq_len: int, num_anchors: int, generator: torch.Generator
+    batch_size: int,
+    seq_len: int,
+    num_anchors: int,
+    generator: torch.Generator,
+    supervised: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Anchors per sequence, uniformly without replacement among the supervised positions, sorted.
+    """Anchors per sequence, uniformly without replacement among the positions that can anchor, sorted.
 
-    A position p can anchor a block if it has context before it (p >= 1) and at least one label
-    after it (p + 1 < seq_len). When there are fewer such positions than ``num_anchors``, the rest are
+    A position p can anchor a block if it has context before it (p >= 1) and a label after it
+    (p + 1 < seq_len), and, where ``supervised`` [B, S] says which tokens the target wrote, if p and p + 1
+    are both such tokens. When a sequence has fewer such positions than ``num_anchors``, the rest are
     padding blocks: anchor 0, ``keep`` False. Returns ``anchors`` [B, N] (int64) and ``keep`` [B, N].
     """
-    candidates = max(seq_len - 2, 0)
-    n_real = min(num_anchors, candidates)
-    order = torch.rand(batch_size, candidates, generator=generator).argsort(dim=1)
-    real = (order[:, :n_real] + 1).sort(dim=1).values
+    positions = torch.arange(seq_len)
+    can = ((positions >= 1) & (positions + 1 < seq_len)).expand(batch_size, seq_len)
+    if supervised is not None:
+        can = can & supervised & torch.nn.functional.pad(supervised[:, 1:], (0, 1), value=False)
+    # Random scores; positions that cannot anchor sort last.
+    order = torch.rand(batch_size, seq_len, generator=generator).masked_fill(~can, 2.0).argsort(dim=1)
+    chosen = order[:, : min(num_anchors, seq_len)]
+    chosen = torch.where(torch.gather(can, 1, chosen), chosen, seq_len).sort(dim=1).values
     anchors = torch.zeros(batch_size, num_anchors, dtype=torch.long)
-    anchors[:, :n_real] = real
-    keep = torch.zeros(batch_size, num_anchors, dtype=torch.bool)
-    keep[:, :n_real] = True
-    return anchors, keep
+    anchors[:, : chosen.shape[1]] = chosen
+    keep = anchors < seq_len
+    keep[:, chosen.shape[1] :] = False
+    return anchors.masked_fill(~keep, 0), keep
 
 
 def anchor_block_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> MaskMod:

@@ -29,7 +29,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from .config import ConfigError, TrainConfig
-from .data import ByteTokenizer, Corpus, HFTokenizer, Tokenizer, batch_for_step
+from .data import ByteTokenizer, Corpus, HFTokenizer, Tokenizer, TrainingData, batch_for_step
 
 # Loading and saving print their own progress bars; ours (target training, drafter steps) say more.
 hf_logging.disable_progress_bar()
@@ -194,24 +194,30 @@ def _fingerprint(path: str) -> list:
     return [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]
 
 
-def regenerate(cfg: TrainConfig, target: Target, target_path: str, corpus: Corpus, eos_token_id: int) -> torch.Tensor:
+def regenerate(
+    cfg: TrainConfig, target: Target, target_path: str, corpus: Corpus, tokenizer: Tokenizer
+) -> TrainingData:
     """The DFlash recipe's training data: the target's own greedy continuations of prompts from the text.
 
-    A draft token is accepted when it is what the target would have written, so the drafter should learn
-    what the target writes, not what the text says. ``cfg.regenerate`` sequences of ``seq_len`` tokens
-    (a quarter prompt, the rest generated), each followed by EOS, as one token stream. Generated once
-    per (target, text, sizes) and cached.
+    A draft token is accepted when it is what the target would have written, so the drafter learns what the
+    target writes, not what the text says. ``cfg.regenerate`` samples of ``seq_len`` tokens, one per training
+    sequence: a prompt (a quarter of ``seq_len`` of the text, in the tokenizer's chat template where it has
+    one), the target's greedy continuation up to its own EOS (included) or the end of the row, then padding.
+    Only the continuation is supervised. Generated once per (target, text, sizes, chat template) and cached.
     """
-    prompt_len = cfg.seq_len // 4
-    new_tokens = cfg.seq_len - prompt_len
+    seq_len, eos, pad = cfg.seq_len, tokenizer.eos_token_id, tokenizer.pad_token_id
     key = json.dumps(
         dict(
+            recipe="samples/2",  # one sample per row, natural EOS, loss mask (the cache of a token stream before)
             target=_fingerprint(target_path),
             data=cfg.data,
             text_tokens=len(corpus.train),
             n=cfg.regenerate,
-            seq_len=cfg.seq_len,
+            seq_len=seq_len,
             seed=cfg.seed,
+            prompt_format=tokenizer.prompt_format(),
+            eos=eos,
+            pad=pad,
         ),
         sort_keys=True,
     )
@@ -219,28 +225,36 @@ def regenerate(cfg: TrainConfig, target: Target, target_path: str, corpus: Corpu
         Path(cfg.cache_dir).expanduser() / f"regenerated-{hashlib.sha256(key.encode()).hexdigest()[:12]}.safetensors"
     )
     if cached.is_file():
-        return load_file(cached)["tokens"]
-    generation = GenerationConfig(
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=eos_token_id,
-        eos_token_id=eos_token_id,
-    )
-    sequences = []
+        saved = load_file(cached)
+        return TrainingData(saved["input_ids"], saved["supervised"].bool())
+    rows, masks = [], []
     batches = range(0, cfg.regenerate, REGEN_BATCH)
     for i in tqdm(batches, desc="regenerating data", disable=not cfg.progress, dynamic_ncols=True):
         size = min(REGEN_BATCH, cfg.regenerate - i)
-        prompts = batch_for_step(corpus.train, i, size, prompt_len, seed=cfg.seed + 104729).to(target.device)
+        texts = batch_for_step(corpus.train, i, size, seq_len // 4, seed=cfg.seed + 104729)
+        prompts = [tokenizer.prompt(t.tolist())[: seq_len - 1] for t in texts]
+        longest = max(len(p) for p in prompts)
+        # Left-padded, so that every row's continuation starts at column ``longest``.
+        ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=target.device)
+        attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=target.device)
+        generation = GenerationConfig(
+            max_new_tokens=seq_len - min(len(p) for p in prompts), do_sample=False, pad_token_id=pad, eos_token_id=eos
+        )
         with torch.no_grad():
-            out = target.model.generate(prompts, generation_config=generation).cpu()
-        sequences.append(torch.cat([out, torch.full((size, 1), eos_token_id)], dim=1).flatten())
-    tokens = torch.cat(sequences)
+            out = target.model.generate(ids, attention_mask=attention, generation_config=generation)
+        for prompt, written in zip(prompts, out[:, longest:].tolist()):
+            if eos in written:
+                written = written[: written.index(eos) + 1]  # its own EOS is supervised; what follows is padding
+            written = written[: seq_len - len(prompt)]
+            filler = seq_len - len(prompt) - len(written)
+            rows.append(prompt + written + [pad] * filler)
+            masks.append([False] * len(prompt) + [True] * len(written) + [False] * filler)
+    data = TrainingData(torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.bool))
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-    save_file({"tokens": tokens}, str(tmp))
+    save_file({"input_ids": data.tokens, "supervised": data.supervised.to(torch.uint8)}, str(tmp))
     os.replace(tmp, cached)
-    return tokens
+    return data
 
 
 def load_target(path: str, device: torch.device, num_drafter_layers: int) -> Target:

@@ -27,7 +27,7 @@ import torchfix  # noqa: F401  (makes torch's compile state thread-local: thread
 from .batch import StepBatch, make_step_batch
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, Ranks, TrainConfig, parse_devices
-from .data import eval_prompts
+from .data import TrainingData, eval_prompts
 from .distributed import Collectives
 from .evaluate import acceptance_length, show_blocks
 from .export import write_export
@@ -151,7 +151,7 @@ def train(config: TrainConfig) -> TrainResult:
 
 class Trainer:
     """The parts of one rank's job: target threads' models, drafter replicas and their optimizers, the
-    training tokens, metrics and the collectives to the other ranks.
+    training data, metrics and the collectives to the other ranks.
 
     ``train_step`` is one replica's optimizer step and ``target_step`` one step's batch through a target;
     ``fit`` runs them in threads (see ``_run_threads``: queues, watchdog, Ctrl-C) between two evaluations."""
@@ -193,8 +193,11 @@ class Trainer:
             path, self.tokenizer, corpus = prepare_target(cfg, self.target_devices[0])
             self.target_path = path
             self.targets = [load_target(path, d, cfg.drafter_layers) for d in self.target_devices]
-            eos = self.tokenizer.eos_token_id
-            self.tokens = regenerate(cfg, self.targets[0], path, corpus, eos) if cfg.regenerate else corpus.train
+            self.data = (
+                regenerate(cfg, self.targets[0], path, corpus, self.tokenizer)
+                if cfg.regenerate
+                else TrainingData(corpus.train)
+            )
         target = self.targets[0]
         dcfg = drafter_config(
             target.model.config, cfg.drafter_layers, cfg.block_size, target.tap_ids, self.tokenizer.mask_token_id
@@ -215,7 +218,9 @@ class Trainer:
         self.metrics = MetricsLog(
             out / "metrics.jsonl" if ranks.is_main else None, append=cfg.resume, started=self.started
         )
-        self.prompts = eval_prompts(corpus.held_out, cfg.eval_prompts, cfg.eval_prompt_len) if cfg.eval_prompts else []
+        texts = eval_prompts(corpus.held_out, cfg.eval_prompts, cfg.eval_prompt_len) if cfg.eval_prompts else []
+        # Asked as the training samples were (in the chat template where the tokenizer has one).
+        self.prompts = [torch.tensor(self.tokenizer.prompt(text.tolist())) for text in texts]
 
     def describe(self) -> str:
         cfg, target, ranks = self.cfg, self.targets[0], self.ranks
@@ -237,7 +242,7 @@ class Trainer:
         on that replica's device."""
         cfg = self.cfg
         batch = make_step_batch(
-            self.tokens,
+            self.data,
             step,
             batch_size=cfg.batch_size,
             seq_len=cfg.seq_len,
@@ -292,7 +297,7 @@ class Trainer:
             found = acceptance_length(self.targets[0], self.replicas[0], self.prompts, cfg.eval_new_tokens)
             tau = found.per_prompt
             self.metrics.write("eval", step=step, tau=tau, tau_pooled=found.pooled, histogram=found.histogram)
-            sample = show_blocks(found.generations[0], cfg.eval_prompt_len, self.tokenizer.decode)
+            sample = show_blocks(found.generations[0], len(self.prompts[0]), self.tokenizer.decode)
             print(
                 f"tau {when}: {tau:.2f} (mean tokens per target forward, per prompt; {found.pooled:.2f} pooled over "
                 f"all steps; {len(self.prompts)} held-out prompts x {cfg.eval_new_tokens} tokens, block "

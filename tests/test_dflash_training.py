@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,8 +105,11 @@ def test_local_hugging_face_model_and_tokenizer(tiny, tmp_path):
     text.write_text("\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
-    bpe.train([str(text)], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"]))
+    bpe.train(
+        [str(text)], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>", "<|user|>", "<|bot|>"])
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|bot|>"
     model_dir = tmp_path / "model"
     tokenizer.save_pretrained(model_dir)
     config = Qwen3Config(
@@ -120,12 +124,70 @@ def test_local_hugging_face_model_and_tokenizer(tiny, tmp_path):
     Qwen3ForCausalLM(config).save_pretrained(model_dir)
 
     cfg = dataclasses.replace(
-        tiny, target=str(model_dir), data=str(text), steps=2, eval_prompts=1, eval_prompt_len=16, eval_new_tokens=8
+        tiny,
+        target=str(model_dir),
+        data=str(text),
+        steps=2,
+        regenerate=4,
+        eval_prompts=1,
+        eval_prompt_len=16,
+        eval_new_tokens=8,
     )
     result = train(cfg)
     assert result.steps_done == 2 and result.drafters[0].block_size == 16
     assert result.drafters[0].mask_token_id == tokenizer.vocab_size  # "<|MASK|>" added, within 320 rows
     assert 1.0 <= result.tau_after <= 16
+    # The target was asked in its chat template: each sample opens a user turn and the bot's, unsupervised.
+    (cached,) = Path(cfg.cache_dir).glob("regenerated-*.safetensors")
+    samples = load_file(str(cached))
+    user, bot = tokenizer.convert_tokens_to_ids(["<|user|>", "<|bot|>"])
+    for row, supervised in zip(samples["input_ids"].tolist(), samples["supervised"].bool().tolist()):
+        assert row[0] == user and bot in row and not any(supervised[: row.index(bot) + 1])
+        assert supervised[row.index(bot) + 1]  # the target's first token
+
+
+def test_regenerated_samples_supervise_only_what_the_target_wrote(tiny):
+    """One sample per row: an unsupervised prompt, the target's greedy continuation up to and with its own
+    EOS, unsupervised padding; anchors and labels only where the target wrote."""
+    from dflash_train.batch import make_step_batch
+    from dflash_train.data import ByteTokenizer
+    from dflash_train.target import load_target, prepare_target, regenerate
+
+    cfg = dataclasses.replace(tiny.resolved(), regenerate=6)
+    cpu = torch.device("cpu")
+    path, _, corpus = prepare_target(cfg, cpu)
+    target = load_target(path, cpu, cfg.drafter_layers)
+    prompt_len = cfg.seq_len // 4
+    # Samples end where the target writes its EOS: make that a token it writes early in the first sample.
+    first = regenerate(cfg, target, path, corpus, ByteTokenizer()).tokens[0]
+    frequent = int(first[prompt_len + 3])
+
+    class EndsAtFrequent(ByteTokenizer):
+        eos_token_id = frequent
+
+    data = regenerate(cfg, target, path, corpus, EndsAtFrequent())
+    assert data.tokens.shape == data.supervised.shape == (6, cfg.seq_len)
+    ended_early = 0
+    for row, supervised in zip(data.tokens.tolist(), data.supervised.tolist()):
+        assert not any(supervised[:prompt_len]) and supervised[prompt_len]
+        written = supervised.index(False, prompt_len) if False in supervised[prompt_len:] else cfg.seq_len
+        assert not any(supervised[written:]) and all(t == ByteTokenizer.PAD for t in row[written:])
+        greedy = target.model.generate(torch.tensor([row[:prompt_len]]), max_new_tokens=written - prompt_len)
+        assert row[:written] == greedy[0].tolist()[:written], "the target's own greedy continuation"
+        if written < cfg.seq_len:
+            ended_early += 1
+            assert row[written - 1] == frequent and frequent not in row[prompt_len : written - 1], "its first EOS"
+    assert ended_early > 0
+    batch = make_step_batch(data, 0, batch_size=4, seq_len=cfg.seq_len, num_anchors=6, block_size=8, gamma=4.0, seed=0)
+    ids = batch.input_ids
+    rows = [next(i for i in range(len(data.tokens)) if torch.equal(data.tokens[i], ids[b])) for b in range(4)]
+    supervised = data.supervised[rows]
+    for b in range(4):
+        for a in batch.anchors[b][batch.keep[b]].tolist():
+            assert supervised[b, a] and supervised[b, a + 1]
+    positions = batch.anchors.unsqueeze(-1) + torch.arange(8)
+    labelled = positions.clamp(max=cfg.seq_len - 1)
+    assert not (batch.weights > 0)[~torch.gather(supervised, 1, labelled.flatten(1)).view_as(labelled)].any()
 
 
 # --- --compile-mode reduce-overhead, on the CPU (issue 11) -------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_train.data import ByteTokenizer
+from dflash_train.data import ByteTokenizer, TrainingData
 from dflash_train.evaluate import Acceptance, Generation, speculative_generate
 from dflash_train.loss import block_targets, chunked_loss, position_weights
 from dflash_train.masks import StaticInputs, anchor_block_mask_mod, build_mask, dense_mask, sample_anchors
@@ -135,6 +135,19 @@ def test_anchor_sampling():
     anchors, keep = sample_anchors(2, 6, 6, torch.Generator().manual_seed(0))
     assert keep.tolist() == [[True] * 4 + [False] * 2] * 2
     assert anchors[:, :4].sort(dim=1).values.tolist() == [[1, 2, 3, 4]] * 2 and anchors[:, 4:].eq(0).all()
+
+
+def test_anchors_and_labels_only_where_the_target_wrote():
+    supervised = torch.zeros(3, 20, dtype=torch.bool)
+    supervised[0, 5:12] = True  # a sample: prompt 0-4, the target's tokens 5-11, padding
+    supervised[1, 5:6] = True  # one written token: no position with a written token after it
+    supervised[2] = True
+    anchors, keep = sample_anchors(3, 20, 8, torch.Generator().manual_seed(0), supervised)
+    assert keep.sum(1).tolist() == [6, 0, 8]
+    assert anchors[0, :6].tolist() == [5, 6, 7, 8, 9, 10] and anchors[1].eq(0).all()
+    labels, weights = block_targets(torch.arange(20).expand(3, 20), anchors, keep, 4, 4.0, supervised)
+    assert weights[0, 5].tolist() == [0, 1, 0, 0], "anchor 10: label 11 written, 12 and 13 padding"
+    assert (weights[1] == 0).all()
 
 
 def test_loss_weights_and_labels():
@@ -304,7 +317,9 @@ def test_the_compiled_step_loss_trains_as_the_eager_one(tiny_pair, monkeypatch, 
     cfg = drafter_config(model.config, 2, 8, target.tap_ids, ByteTokenizer.MASK)
     eager, compiled = make_replicas(cfg, {CPU: (target.input_embeddings(), target.output_head())}, [CPU] * 2, seed=0)
     tokens = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(0))
-    batch = make_step_batch(tokens, 0, batch_size=2, seq_len=48, num_anchors=4, block_size=8, gamma=4.0, seed=0)
+    batch = make_step_batch(
+        TrainingData(tokens), 0, batch_size=2, seq_len=48, num_anchors=4, block_size=8, gamma=4.0, seed=0
+    )
     batch.features = target.features(batch.input_ids)
     want = _step(eager.train(), batch, flex=False)
     if flex:
