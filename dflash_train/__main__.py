@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     line = f"done: {result.steps_done} steps in {result.wall_s:.0f} s"
     if result.tokens_per_s:
         line += f", {result.tokens_per_s:,.0f} tokens/s"
+    if result.mfu is not None:
+        line += f" (MFU {result.mfu:.1%})"
     if result.tau_before is not None and result.tau_after is not None:
         line += f"; tau {result.tau_before:.2f} -> {result.tau_after:.2f}"
     print(f"{line}. Outputs in {result.out_dir}: metrics.jsonl, plot.png, checkpoint.safetensors", flush=True)

@@ -104,6 +104,12 @@ class TrainConfig:
     eval_new_tokens: int = _opt(96, "tokens generated per evaluation prompt")
     save_every: int = _opt(50, "save a checkpoint every N steps (0: only at the end)")
     stop_after: int = _opt(0, "stop (with a checkpoint) after N steps of this run, keeping the schedule (0: off)")
+    tensorboard: str = _opt(
+        "",
+        "also write the metrics (loss, accuracy, lr, tokens/s, MFU, tau) as TensorBoard events to this folder "
+        "(needs the tensorboard package); '': do not",
+        metavar="PATH",
+    )
     export: str = _opt(
         "",
         "after training, also write the drafter to this folder as DFlash serving code loads it (config.json, "

@@ -7,15 +7,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .config import ConfigError
+
 
 class MetricsLog:
     """Appends records to ``metrics.jsonl``. Every record has a ``type`` (train, eval, first_step, dynamo
     or summary) and ``elapsed_s``, the seconds since this run started. ``path`` None (the ranks other
-    than 0 of a torchrun job) writes nothing."""
+    than 0 of a torchrun job) writes nothing.
 
-    def __init__(self, path: Path | None, *, append: bool, started: float):
+    With ``tensorboard`` (a folder), the numbers of every record that has a ``step`` (train, eval) are also
+    TensorBoard scalars, tagged ``type/name``, at that step: torch's own ``SummaryWriter``, which needs the
+    ``tensorboard`` package."""
+
+    def __init__(self, path: Path | None, *, append: bool, started: float, tensorboard: Path | None = None):
         self.path = path
         self.started = started
+        self._board = _summary_writer(tensorboard) if path is not None and tensorboard is not None else None
         self._file = path.open("a" if append else "w") if path is not None else None
 
     def write(self, record_type: str, **fields: Any) -> None:
@@ -24,10 +31,30 @@ class MetricsLog:
         elapsed = round(time.monotonic() - self.started, 3)
         self._file.write(json.dumps({"type": record_type, **fields, "elapsed_s": elapsed}) + "\n")
         self._file.flush()
+        if self._board is not None and "step" in fields:
+            for name, value in fields.items():
+                if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._board.add_scalar(f"{record_type}/{name}", value, fields["step"])
+            self._board.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+            self._file = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+
+def _summary_writer(folder: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:  # torch's module imports the tensorboard package
+        raise ConfigError(
+            f"--tensorboard {folder}: TensorBoard events need the tensorboard package (pip install tensorboard, "
+            "or the trainer's `tensorboard` extra)"
+        ) from e
+    return SummaryWriter(log_dir=str(folder))
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

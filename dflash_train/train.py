@@ -31,6 +31,7 @@ from .data import TrainingData, eval_prompts
 from .distributed import Collectives
 from .evaluate import acceptance_length, show_blocks
 from .export import write_export
+from .flops import peak_flops, step_flops
 from .model import Drafter, drafter_config, make_replicas
 from .report import MetricsLog, plot_metrics
 from .target import Target, load_target, prepare_target, regenerate
@@ -44,6 +45,7 @@ class TrainResult:
     tau_after: float | None
     final_loss: float | None
     tokens_per_s: float | None  # context tokens through target and drafter, after the first (compiling) step
+    mfu: float | None  # model FLOPs utilisation at that rate (see flops.py); None on CPUs and unknown GPUs
     wall_s: float
     interrupted: bool  # stopped by Ctrl-C (a checkpoint was saved)
     out_dir: Path
@@ -216,11 +218,33 @@ class Trainer:
             self.collectives.broadcast_(list(replica.parameters()))
         self.end = min(cfg.steps, self.start + cfg.stop_after) if cfg.stop_after else cfg.steps
         self.metrics = MetricsLog(
-            out / "metrics.jsonl" if ranks.is_main else None, append=cfg.resume, started=self.started
+            out / "metrics.jsonl" if ranks.is_main else None,
+            append=cfg.resume,
+            started=self.started,
+            tensorboard=Path(cfg.tensorboard) if cfg.tensorboard else None,
         )
+        self.flops_per_step = step_flops(
+            target.model.config,
+            dcfg,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            num_anchors=cfg.num_anchors,
+            block_size=cfg.block_size,
+        )
+        # The job's GPUs: this rank's, on every host (ranks that share devices share them with the host's others).
+        hosts_or_ranks = ranks.world_size // ranks.local_world_size if cfg.ranks_share_devices else ranks.world_size
+        peak = peak_flops([*self.target_devices, *self.drafter_devices])
+        self.peak_flops = peak * hosts_or_ranks if peak is not None else None
         texts = eval_prompts(corpus.held_out, cfg.eval_prompts, cfg.eval_prompt_len) if cfg.eval_prompts else []
         # Asked as the training samples were (in the chat template where the tokenizer has one).
         self.prompts = [torch.tensor(self.tokenizer.prompt(text.tolist())) for text in texts]
+
+    def mfu(self, tokens_per_s: float | None) -> float | None:
+        """The job's model FLOPs utilisation at ``tokens_per_s`` (see ``flops``); None without a known peak."""
+        if tokens_per_s is None or self.peak_flops is None:
+            return None
+        steps_per_s = tokens_per_s / (self.cfg.batch_size * self.cfg.seq_len)
+        return steps_per_s * self.flops_per_step / self.peak_flops
 
     def describe(self) -> str:
         cfg, target, ranks = self.cfg, self.targets[0], self.ranks
@@ -337,6 +361,7 @@ class Trainer:
             tau_after=tau_after,
             final_loss=run.final_loss,
             tokens_per_s=run.tokens_per_s,
+            mfu=self.mfu(run.tokens_per_s),
             interrupted=run.interrupted,
             compile_mode=cfg.compile_mode,
         )
@@ -352,6 +377,7 @@ class Trainer:
             tau_after,
             run.final_loss,
             run.tokens_per_s,
+            self.mfu(run.tokens_per_s),
             time.monotonic() - self.started,
             run.interrupted,
             self.out,
@@ -446,7 +472,7 @@ class Trainer:
                 elif now > first_report:
                     rate = (done - start - 1) * tokens_per_step / (now - first_report)
                 depth = sum(q.qsize() for q in inboxes)
-                self.metrics.write("train", **event, tokens_per_s=rate, queue_depth=depth)
+                self.metrics.write("train", **event, tokens_per_s=rate, mfu=self.mfu(rate), queue_depth=depth)
                 bar.update(done - bar.n)
                 bar.set_postfix(loss=f"{loss:.3f}", acc=f"{event['acc']:.2f}", tok_s=f"{rate or 0:.0f}", queue=depth)
         # Stopped early: by Ctrl-C, here or on another rank (the stop decision is the job's).

@@ -323,3 +323,29 @@ def test_export_refuses_bad_input_with_one_message(tiny, tmp_path):
     assert (other / "keep.txt").read_text() == "mine"
     with pytest.raises(ConfigError, match="--dtype"):
         export_run(run, tmp_path / "out", dtype="int8")
+
+
+# --- TensorBoard and MFU (issue 16) ---------------------------------------------------------------------------
+
+
+def test_tensorboard_events_hold_the_metrics_and_mfu_is_none_on_the_cpu(tiny, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = dataclasses.replace(tiny, steps=3, eval_prompts=1, eval_prompt_len=16, eval_new_tokens=8)
+    result = train(dataclasses.replace(cfg, tensorboard=str(tmp_path / "tb")))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    records = [json.loads(line) for line in open(cfg.out_dir + "/metrics.jsonl")]
+    train_records = [r for r in records if r["type"] == "train"]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in train_records])
+    assert [e.step for e in events.Scalars("eval/tau")] == [0, 3]
+    assert {"train/acc", "train/lr", "eval/tau_pooled"} <= set(events.Tags()["scalars"])
+    assert result.mfu is None and records[-1]["mfu"] is None  # no peak to compare with on a CPU
+
+
+def test_tensorboard_without_its_package_is_one_clear_message(tiny, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if the package were not installed
+    with pytest.raises(ConfigError, match="pip install tensorboard"):
+        train(dataclasses.replace(tiny, steps=1, tensorboard=str(tmp_path / "tb")))
