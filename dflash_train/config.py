@@ -1,4 +1,5 @@
-"""The trainer's configuration: one dataclass, its command line, and optional TOML/YAML files.
+"""The trainer's configuration: a dataclass per section, ``TrainConfig`` with them all, its command line, and
+optional TOML/YAML files.
 
 This module must not import torch: ``__main__`` parses the command line with it *before* torch is
 imported, so that ``--no-torchfix`` can still switch the shim off.
@@ -28,7 +29,9 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 
 
 @dataclass
-class TrainConfig:
+class TargetSection:
+    """target model and data"""
+
     target: str = _opt(
         "tiny",
         "target model: 'tiny' (a byte-level Qwen3 trained here on Python's standard library, cached) "
@@ -57,6 +60,12 @@ class TrainConfig:
         metavar="PATH",
     )
     out_dir: str = _opt("runs/dflash", "output folder: metrics.jsonl, plot.png, checkpoint.safetensors", metavar="PATH")
+
+
+@dataclass
+class DevicesSection:
+    """devices and threads"""
+
     target_devices: str = _opt(
         "cpu", "devices of the target workers, one thread each: 'cpu', 'cuda:0,cuda:1'", metavar="DEVICES"
     )
@@ -65,6 +74,12 @@ class TrainConfig:
     )
     drafter_threads_per_device: int = _opt(2, "drafter threads (data-parallel replicas) per drafter device")
     queue_size: int = _opt(4, "bound of each drafter's queue of target hidden states (backpressure)")
+
+
+@dataclass
+class DrafterSection:
+    """drafter and loss"""
+
     drafter_layers: int = _opt(2, "decoder layers of the DFlash drafter (also the number of tapped target layers)")
     block_size: int = _opt(0, "tokens per draft block (anchor + mask tokens); 0: 8 for the tiny target, else 16")
     loss_gamma: float = _opt(0.0, "decay of the loss weight exp(-(k-1)/gamma); 0: 7 for block 16, 4 for block 8")
@@ -72,6 +87,12 @@ class TrainConfig:
     seq_len: int = _opt(256, "tokens per training sequence")
     batch_size: int = _opt(8, "sequences per step, split across all drafter threads")
     loss_chunk: int = _opt(8, "draft blocks per checkpointed chunk of the loss (full logits never exist at once)")
+
+
+@dataclass
+class OptimSection:
+    """optimisation"""
+
     steps: int = _opt(150, "optimizer steps of the drafter")
     lr: float = _opt(3e-3, "peak learning rate (AdamW)")
     warmup_steps: int = _opt(15, "linear warm-up steps before the cosine decay")
@@ -79,6 +100,12 @@ class TrainConfig:
     weight_decay: float = _opt(0.01, "AdamW weight decay")
     grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)")
     seed: int = _opt(0, "seed of initialisation, data order and anchor sampling")
+
+
+@dataclass
+class CompileSection:
+    """compilation"""
+
     compile: bool = _opt(
         True,
         "torch.compile: on CUDA flex_attention + create_block_mask, on CPU the drafter layers (dense mask + "
@@ -99,9 +126,21 @@ class TrainConfig:
         "without CUDA graphs); only 'default' on CPU drafters",
         metavar="MODE",
     )
+
+
+@dataclass
+class EvalSection:
+    """evaluation (acceptance length tau)"""
+
     eval_prompts: int = _opt(8, "held-out prompts for the acceptance length tau (0: skip evaluation)")
     eval_prompt_len: int = _opt(64, "tokens per evaluation prompt")
     eval_new_tokens: int = _opt(96, "tokens generated per evaluation prompt")
+
+
+@dataclass
+class RunSection:
+    """run control"""
+
     save_every: int = _opt(50, "save a checkpoint every N steps (0: only at the end)")
     stop_after: int = _opt(0, "stop (with a checkpoint) after N steps of this run, keeping the schedule (0: off)")
     tensorboard: str = _opt(
@@ -141,6 +180,16 @@ class TrainConfig:
         "(raise|hang @ drafter|target; drafter faults hit the last drafter thread of the last rank); '': none",
         metavar="SPEC",
     )
+
+
+# The sections' order in --help; TrainConfig lists them the other way round, since a dataclass takes the fields
+# of its last base first.
+SECTIONS = (TargetSection, DevicesSection, DrafterSection, OptimSection, CompileSection, EvalSection, RunSection)
+
+
+@dataclass
+class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, DrafterSection, DevicesSection, TargetSection):
+    """The whole configuration: the sections' fields side by side, as the flags and config files name them."""
 
     # Fields that decide the drafter's shapes and what its weights mean: a checkpoint is only
     # compatible with a config that agrees on all of them.
@@ -298,30 +347,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run without the torchfix shim (same as TORCHFIX_DISABLE=1), to see what it prevents",
     )
-    group = parser
-    for f in _fields():
-        if f.name in SECTIONS:
-            group = parser.add_argument_group(SECTIONS[f.name])
-        kwargs: dict[str, Any] = {"help": f"{f.metadata['help']} (default: {f.default!r})"}
-        if f.type == "bool":
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = {"int": int, "float": float, "str": str}[f.type]
-            kwargs["metavar"] = f.metadata.get("metavar", {"int": "N", "float": "X", "str": "STR"}[f.type])
-        group.add_argument(f"--{_flag(f.name)}", dest=f.name, **kwargs)
+    for section in SECTIONS:  # one --help group each
+        group = parser.add_argument_group(section.__doc__)
+        for f in dataclasses.fields(section):
+            kwargs: dict[str, Any] = {"help": f"{f.metadata['help']} (default: {f.default!r})"}
+            if f.type == "bool":
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = {"int": int, "float": float, "str": str}[f.type]
+                kwargs["metavar"] = f.metadata.get("metavar", {"int": "N", "float": "X", "str": "STR"}[f.type])
+            group.add_argument(f"--{_flag(f.name)}", dest=f.name, **kwargs)
     return parser
-
-
-# --help groups the flags; each section starts at the named field.
-SECTIONS = {
-    "target": "target model and data",
-    "target_devices": "devices and threads",
-    "drafter_layers": "drafter and loss",
-    "steps": "optimisation",
-    "compile": "compilation",
-    "eval_prompts": "evaluation (acceptance length tau)",
-    "save_every": "run control",
-}
 
 
 def read_config_file(path: str) -> dict[str, Any]:
