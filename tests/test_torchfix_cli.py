@@ -61,6 +61,28 @@ print(json.dumps(diffs))
     assert ran == committed, "patches/ drifted from what torchfix applies: regenerate it (see README)"
 
 
+def test_patches_command_regenerates_a_release_from_its_wheel(tmp_path):
+    """``python -m torchfix patches DIR``: each release folder rebuilt from that release's wheel, read as a zip
+    (here one made of the installed torch's sources, so that nothing is downloaded), stale diffs removed."""
+    import importlib.util
+    import zipfile
+
+    if not PATCHES.is_dir():
+        pytest.skip(f"patches/ has no directory for torch {TORCH_VERSION.base_version}")
+    site = Path(importlib.util.find_spec("torch").submodule_search_locations[0]).parent
+    wheels, release = tmp_path / "wheels", tmp_path / "patches" / TORCH_VERSION.base_version
+    wheels.mkdir()
+    release.mkdir(parents=True)
+    (release / "gone.diff").write_text("a fix that no longer applies")
+    with zipfile.ZipFile(wheels / f"torch-{TORCH_VERSION.base_version}-cp3-none-any.whl", "w") as wheel:
+        for source in (site / "torch").rglob("*.py"):
+            wheel.write(source, source.relative_to(site).as_posix())
+    ran = torchfix_cli("patches", str(tmp_path / "patches"), "--wheels", str(wheels))
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    made = {p.name: p.read_text() for p in release.glob("*.diff")}
+    assert made == {p.name: p.read_text() for p in PATCHES.glob("*.diff")}
+
+
 def test_run_executes_a_script_with_torchfix_loaded(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(

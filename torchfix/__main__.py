@@ -1,4 +1,5 @@
-"""``python -m torchfix``: the doctor report, the diffs, a soak test, and running a program with torchfix loaded."""
+"""``python -m torchfix``: the doctor report, the diffs (of one release, or patches/ for all), a soak test, and
+running a program with torchfix loaded."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ import importlib
 import os
 import platform
 import runpy
+import subprocess
 import sys
 import sysconfig
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torchfix
 
 from . import _stress, fixes
 from ._config import config_is_per_thread
-from ._fix import State
+from ._fix import Fix, State
 from ._install import module_file_exists
 from ._source import ShapeError
 
@@ -96,6 +100,13 @@ def diff(source_root: str | None, torch_version: str | None, output_dir: str | N
                 print(f"# {fix.name}: {states[fix.name].state.value} ({states[fix.name].reason})")
             else:
                 wanted.append(fix)
+    return 1 if _write_diffs(wanted, torch_version, read, output_dir) else 0
+
+
+def _write_diffs(
+    wanted: list[Fix], torch_version: str, read: Callable[[str], str], output_dir: str | Path | None
+) -> int:
+    """Each fix's diff to stdout or to ``output_dir/<fix>.diff``; the number of fixes that had none."""
     failed = 0
     for fix in wanted:
         try:
@@ -109,7 +120,56 @@ def diff(source_root: str | None, torch_version: str | None, output_dir: str | N
             (Path(output_dir) / f"{fix.name}.diff").write_text(text, encoding="utf-8")
         else:
             sys.stdout.write(text)
+    return failed
+
+
+def patches(directory: str, releases: list[str], wheels: str | None) -> int:
+    """Regenerate ``directory/<release>/<fix>.diff`` for every release already there and every ``--release``,
+    from each release's torch wheel: downloaded by pip into ``wheels`` (kept there for the next run), never
+    installed, read as the zip it is. What a release's folder held before is replaced."""
+    root = Path(directory)
+    present = {p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")} if root.is_dir() else set()
+    wanted_releases = sorted({*present, *releases})
+    if not wanted_releases:
+        print(f"{directory}: no release folders, and no --release given", file=sys.stderr)
+        return 2
+    store = Path(wheels) if wheels else root / ".wheels"
+    failed = 0
+    for version in wanted_releases:
+        wheel = _torch_wheel(version, store)
+        if wheel is None:
+            failed += 1
+            continue
+        with zipfile.ZipFile(wheel) as archive:
+            out = root / version
+            for stale in out.glob("*.diff"):
+                stale.unlink()
+            wanted = [fix for fix in fixes.ALL if fix.supports(version)]
+            failed += _write_diffs(wanted, version, _reader_of(archive), out)
+        print(f"{version}: {len(list(out.glob('*.diff')))} diffs from {wheel.name}")
     return 1 if failed else 0
+
+
+def _reader_of(archive: zipfile.ZipFile) -> Callable[[str], str]:
+    def read(relpath: str) -> str:
+        try:
+            return archive.read(relpath).decode("utf-8")
+        except KeyError:  # patches take a file the release lacks as "nothing to edit there"
+            raise FileNotFoundError(f"{archive.filename} has no {relpath}") from None
+
+    return read
+
+
+def _torch_wheel(version: str, store: Path) -> Path | None:
+    """A torch ``version`` wheel in ``store``, downloaded there first if there is none."""
+    found = sorted(store.glob(f"torch-{version}-*.whl")) + sorted(store.glob(f"torch-{version}+*.whl"))
+    if not found:
+        download = [sys.executable, "-m", "pip", "download", "-q", f"torch=={version}", "--no-deps", "-d", str(store)]
+        if subprocess.run(download).returncode != 0:
+            print(f"{version}: pip could not download torch=={version}", file=sys.stderr)
+            return None
+        found = sorted(store.glob(f"torch-{version}*.whl"))
+    return found[0] if found else None
 
 
 def run(target: list[str]) -> int:
@@ -153,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     diff_parser.add_argument("--source-root", help="a tree with torch/**.py of some release (default: installed)")
     diff_parser.add_argument("--torch-version", help="the release of --source-root, e.g. 2.5.1")
     diff_parser.add_argument("--output-dir", help="write <fix>.diff files here instead of printing")
+    patches_parser = commands.add_parser(
+        "patches", help="regenerate a folder of per-release diffs (patches/) from downloaded torch wheels"
+    )
+    patches_parser.add_argument("directory", help="holds one folder per release, named by its version")
+    patches_parser.add_argument("--release", action="append", default=[], help="add this release (repeatable)")
+    patches_parser.add_argument("--wheels", help="where the wheels are kept (default: DIRECTORY/.wheels)")
     run_parser = commands.add_parser("run", help="run a script or -m module with torchfix loaded")
     run_parser.add_argument("target", nargs=argparse.REMAINDER)
     stress_parser = commands.add_parser(
@@ -166,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "diff":
         return diff(args.source_root, args.torch_version, args.output_dir)
+    if args.command == "patches":
+        return patches(args.directory, args.release, args.wheels)
     if args.command == "run":
         return run(args.target)
     if args.command == "pth":
