@@ -41,15 +41,15 @@ def sample_anchors(
     can = ((positions >= 1) & (positions + 1 < seq_len)).expand(batch_size, seq_len)
     if supervised is not None:
         can = can & supervised & torch.nn.functional.pad(supervised[:, 1:], (0, 1), value=False)
-    # Random scores; positions that cannot anchor sort last.
-    order = torch.rand(batch_size, seq_len, generator=generator).masked_fill(~can, 2.0).argsort(dim=1)
-    chosen = order[:, : min(num_anchors, seq_len)]
+    # Random scores, positions that cannot anchor last; of the first k, those that can anchor, sorted, come first.
+    k = min(num_anchors, seq_len)
+    chosen = torch.rand(batch_size, seq_len, generator=generator).masked_fill(~can, 2.0).argsort(dim=1)[:, :k]
     chosen = torch.where(torch.gather(can, 1, chosen), chosen, seq_len).sort(dim=1).values
     anchors = torch.zeros(batch_size, num_anchors, dtype=torch.long)
-    anchors[:, : chosen.shape[1]] = chosen
-    keep = anchors < seq_len
-    keep[:, chosen.shape[1] :] = False
-    return anchors.masked_fill(~keep, 0), keep
+    keep = torch.zeros(batch_size, num_anchors, dtype=torch.bool)
+    keep[:, :k] = chosen < seq_len
+    anchors[:, :k] = chosen.masked_fill(~keep[:, :k], 0)
+    return anchors, keep
 
 
 def anchor_block_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> MaskMod:

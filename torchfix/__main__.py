@@ -162,14 +162,13 @@ def _reader_of(archive: zipfile.ZipFile) -> Callable[[str], str]:
 
 def _torch_wheel(version: str, store: Path) -> Path | None:
     """A torch ``version`` wheel in ``store``, downloaded there first if there is none."""
-    found = sorted(store.glob(f"torch-{version}-*.whl")) + sorted(store.glob(f"torch-{version}+*.whl"))
-    if not found:
+    pattern = f"torch-{version}[-+]*.whl"  # a local version (2.13.0+cpu) or a build tag may follow
+    if not any(store.glob(pattern)):
         download = [sys.executable, "-m", "pip", "download", "-q", f"torch=={version}", "--no-deps", "-d", str(store)]
         if subprocess.run(download).returncode != 0:
             print(f"{version}: pip could not download torch=={version}", file=sys.stderr)
             return None
-        found = sorted(store.glob(f"torch-{version}*.whl"))
-    return found[0] if found else None
+    return next(iter(sorted(store.glob(pattern))), None)
 
 
 def run(target: list[str]) -> int:

@@ -80,7 +80,7 @@ class _ShareCachedBackends(_DefaultChange):
         thread = threading.Thread(target=lambda: seen.append(holder.cached_backends), name="torchfix-verify")
         thread.start()
         thread.join()
-        if seen != [holder.cached_backends] or seen[0] is not holder.cached_backends:
+        if not seen or seen[0] is not holder.cached_backends:
             raise ShapeError(f"{MODULE}.{HOLDER}.cached_backends is not shared with a new thread")
 
 
