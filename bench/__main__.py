@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     parser.add_argument("--out", default="bench/results", help="where to write <name>.json")
     parser.add_argument("--device", default="cpu", help="device for coldstart and trainer (cpu, cuda:0, ...)")
+    parser.add_argument(
+        "--width", choices=("tiny", "real"), default="tiny", help="trainer: model width (see bench/trainer.py)"
+    )
+    parser.add_argument("--counts", default="1,2,3", help="trainer: drafter replica counts to run")
     parser.add_argument("--runs", type=int, default=3, help="runs per configuration of cudagraphs")
     parser.add_argument("--configs", default="", help="cudagraphs: indices of the configurations to run (0,1,...)")
     parser.add_argument("--pairs", type=int, default=5, help="cost: ABBA pairs of runs with torchfix on and off")
@@ -27,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name in args.names or list(BENCHMARKS):
         options = {"device": args.device} if name in ("coldstart", "trainer") else {}
+        if name == "trainer":
+            options |= {"width": args.width, "counts": tuple(int(n) for n in args.counts.split(","))}
         if name == "cudagraphs":
             options = {"runs": args.runs, "configs": args.configs}
         if name == "cost":

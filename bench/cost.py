@@ -19,13 +19,7 @@ import tempfile
 from pathlib import Path
 
 from . import real_target
-from .trainer import one
-
-# (steps, global batch, sequence length, trainer flags) per device kind
-SIZES = {
-    "cuda": (80, 12, 1024, ("--drafter-layers=5", "--block-size=16", "--num-anchors=64")),
-    "cpu": (12, 4, 256, ("--drafter-layers=2", "--block-size=8", "--num-anchors=8")),
-}
+from .trainer import REAL_SIZES, one
 
 
 def run(quick: bool = False, device: str = "cpu", pairs: int = 5, fixes: bool = False) -> dict[str, object]:
@@ -34,11 +28,11 @@ def run(quick: bool = False, device: str = "cpu", pairs: int = 5, fixes: bool = 
     import torchfix
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    steps, batch, seq_len, flags = SIZES[kind]
+    steps, batch, seq_len, flags = REAL_SIZES[kind]
     if quick:
         steps, batch, seq_len, pairs, flags = 3, 2, 64, 1, ("--drafter-layers=1", "--num-anchors=2")
     work = Path(tempfile.mkdtemp(prefix="bench-cost-"))
-    target = real_target.build(work / "target", shape="gpu" if kind == "cuda" and not quick else "cpu")
+    target = real_target.cached("gpu" if kind == "cuda" and not quick else "cpu")
     extra = (
         f"--target={target}",
         "--regenerate=0",

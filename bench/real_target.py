@@ -75,6 +75,11 @@ def build(out: Path, shape: str = "gpu", seed: int = 0) -> Path:
     return out
 
 
+def cached(shape: str) -> Path:
+    """The target of ``shape`` in the trainer's cache folder, built there the first time: the benchmarks share it."""
+    return build(Path.home() / ".cache" / "dflash_train" / f"bench-target-{shape}", shape)
+
+
 def parameters(shape: str) -> int:
     """The target's parameter count, from its shape alone."""
     s = SHAPES[shape]

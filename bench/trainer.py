@@ -9,11 +9,21 @@
   thread, ``--ranks-share-devices``: all on the one device, gradients all-reduced over gloo), no torchfix.
 
 On CUDA, also with CUDA graphs (``--compile-mode reduce-overhead``: the drafter step's whole loss compiled
-and replayed as CUDA graphs): ``threads+cg`` for every N, and ``processes+cg`` for 3 replicas.
+and replayed as CUDA graphs): ``threads+cg`` for every N, and ``processes+cg`` for 3 replicas; and one
+drafter thread with every thread on one CUDA stream (``/1s``, ``--cuda-streams shared``) beside the
+trainer's default of a stream per thread, which lets the target's forward overlap the drafter's step.
 
-Every configuration runs in fresh processes with fresh Inductor/Triton caches and the same global batch,
-seed and steps; tokens/s is the trainer's own figure (context tokens after the first, compiling, step).
-Also reported: time until every drafter thread finished its first step, peak memory, compiled graphs.
+Two widths. ``tiny`` (the default): the tiny target and a 0.4 M-parameter drafter, where a step is Python
+launching small kernels: the GIL-bound case. ``real``: the target from :mod:`bench.real_target` (839 M
+parameters on CUDA, 10 M on the CPU) and a 5-layer drafter (273 M trainable on CUDA) over 1024-token
+sequences, where the GPU bounds a step, as it does for the models users train drafters for.
+
+Every configuration runs in fresh processes with the same global batch, seed and steps; tokens/s and MFU
+are the trainer's own figures (after the first, compiling, step; MFU as ``dflash_train/flops.py`` counts
+it). At the tiny width each run has fresh Inductor/Triton caches; at the real width the runs share one, so
+that compiling a 1 B-parameter step once, not per row, is what the device time goes to (the first row's
+first-step time includes it). Also reported: time until every drafter thread finished its first step,
+peak memory, compiled graphs.
 """
 
 from __future__ import annotations
@@ -72,8 +82,15 @@ def _flags(device: str, replicas_per_process: int, steps: int, batch: int, seq_l
     return flags
 
 
-# Row names of the --compile-mode runs; the default mode's rows keep the bare way's name.
+# Row names of the --compile-mode and --cuda-streams runs; the defaults keep the bare way's name.
 MODE_SUFFIX = {"default": "", "reduce-overhead": "+cg"}
+STREAMS_SUFFIX = {"per-thread": "", "shared": "/1s"}
+
+# (steps, global batch, sequence length, trainer flags) of the real width, per device kind
+REAL_SIZES = {
+    "cuda": (40, 12, 1024, ("--drafter-layers=5", "--block-size=16", "--num-anchors=64")),
+    "cpu": (12, 4, 256, ("--drafter-layers=2", "--block-size=8", "--num-anchors=8")),
+}
 
 
 def one(
@@ -85,6 +102,7 @@ def one(
     seq_len: int,
     quick: bool,
     compile_mode: str = "default",
+    streams: str = "per-thread",
     *,
     disable: str = "",
     extra: tuple[str, ...] = (),
@@ -93,8 +111,8 @@ def one(
     """One run of the trainer. ``disable``: TORCHFIX_DISABLE for a ``threads`` run; ``extra``: more trainer
     flags (a later flag wins); ``compile_caches``: Inductor/Triton caches to share with other runs (default:
     fresh ones)."""
-    label = mode + MODE_SUFFIX[compile_mode]
-    out = Path(tempfile.mkdtemp(prefix=f"bench-{label}{replicas}-"))
+    label = mode + MODE_SUFFIX[compile_mode] + STREAMS_SUFFIX[streams]
+    out = Path(tempfile.mkdtemp(prefix=f"bench-{label.replace('/', '-')}{replicas}-"))
     caches = compile_caches or out
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
@@ -104,6 +122,8 @@ def one(
         env["TORCHFIX_DISABLE"] = disable
     if compile_mode != "default":
         flags.append(f"--compile-mode={compile_mode}")
+    if streams != "per-thread":
+        flags.append(f"--cuda-streams={streams}")
     if quick:
         flags.append(f"--cache-dir={out / 'cache'}")
     if mode == "threads":
@@ -118,7 +138,7 @@ def one(
             *("-m", "dflash_train", *flags, "--ranks-share-devices"),
         ]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
-    row: dict[str, object] = {"mode": label, "replicas": replicas, "compile_mode": compile_mode}
+    row: dict[str, object] = {"mode": label, "replicas": replicas, "compile_mode": compile_mode, "streams": streams}
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if proc.returncode == 0 else []
     summary = next((r for r in records if r["type"] == "summary"), None)
@@ -129,6 +149,7 @@ def one(
     dynamo = [r for r in records if r["type"] == "dynamo"]
     return row | {
         "tokens_per_s": summary["tokens_per_s"],
+        "mfu": summary.get("mfu"),
         "all_first_steps_s": max(r["seconds"] for r in records if r["type"] == "first_step"),
         "cuda_peak_gib": round(cuda_peak, 3),
         "host_rss_gib": round(sum(r.get("host_rss", 0.0) for r in memory), 3),
@@ -139,30 +160,50 @@ def one(
     }
 
 
-def configurations(device: str, counts: tuple[int, ...]) -> list[tuple[str, int, str]]:
-    """The rows to run, as (way, replicas, --compile-mode): threads for every count, lock and processes from
-    2 replicas; on CUDA, threads with CUDA graphs for every count and processes with them for 3."""
+def configurations(device: str, counts: tuple[int, ...]) -> list[tuple[str, int, str, str]]:
+    """The rows to run, as (way, replicas, --compile-mode, --cuda-streams): threads for every count, lock and
+    processes from 2 replicas; on CUDA, threads with CUDA graphs for every count, processes with them for 3,
+    and one drafter thread with all threads on one stream, in both modes."""
     cuda = device.startswith("cuda")
+    modes = ("default", "reduce-overhead") if cuda else ("default",)
     runs = []
     for n in counts:
-        runs += [("threads", n, "default")] + ([("threads", n, "reduce-overhead")] if cuda else [])
-        runs += [("lock", n, "default"), ("processes", n, "default")] if n > 1 else []
-        runs += [("processes", n, "reduce-overhead")] if cuda and n == 3 else []
+        for mode in modes:
+            runs += [("threads", n, mode, "shared")] if cuda and n == 1 else []
+            runs += [("threads", n, mode, "per-thread")]
+        runs += [("lock", n, "default", "per-thread"), ("processes", n, "default", "per-thread")] if n > 1 else []
+        runs += [("processes", n, "reduce-overhead", "per-thread")] if cuda and n == 3 else []
     return runs
 
 
-def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
+def run(quick: bool = False, device: str = "cpu", width: str = "tiny", counts: tuple[int, ...] = (1, 2, 3)) -> dict:
     import torch
 
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    extra: tuple[str, ...] = ()
+    caches, target_parameters = None, None
+    if width == "real":
+        from . import real_target
+
+        steps, batch, seq_len, flags = REAL_SIZES[kind]
+        work = Path(tempfile.mkdtemp(prefix="bench-trainer-real-"))
+        shape = "gpu" if kind == "cuda" and not quick else "cpu"
+        target = real_target.cached(shape)
+        extra, caches, target_parameters = (
+            (f"--target={target}", "--regenerate=0", *flags),
+            work,
+            real_target.parameters(shape),
+        )
+    elif kind == "cuda":
+        steps, batch, seq_len = 120, 12, 256
+    else:
+        steps, batch, seq_len = 30, 6, 128
     if quick:
         counts, steps, batch, seq_len = (1, 2), 4, 2, 64
-    elif device.startswith("cuda"):
-        counts, steps, batch, seq_len = (1, 2, 3), 120, 12, 256
-    else:
-        counts, steps, batch, seq_len = (1, 2, 3), 30, 6, 128
+        extra = (*extra, "--drafter-layers=1", "--num-anchors=2") if width == "real" else extra  # after its flags
     rows = [
-        one(mode, replicas, device, steps, batch, seq_len, quick, compile_mode)
-        for mode, replicas, compile_mode in configurations(device, counts)
+        one(mode, n, device, steps, batch, seq_len, quick, compile_mode, streams, extra=extra, compile_caches=caches)
+        for mode, n, compile_mode, streams in configurations(device, counts)
     ]
     threads = {r["replicas"]: r.get("tokens_per_s") for r in rows if r["mode"] == "threads"}
     for row in rows:
@@ -172,6 +213,8 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
     return {
         "torch": str(torch.__version__),
         "device": device,
+        "width": width,
+        "target_parameters": target_parameters,
         "steps": steps,
         "global_batch": batch,
         "seq_len": seq_len,
@@ -180,20 +223,26 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
 
 
 def table(result: dict) -> str:
+    width = result.get("width", "tiny")
+    target = f", target {result['target_parameters'] / 1e6:.0f} M parameters" if result.get("target_parameters") else ""
     lines = [
-        f"torch {result['torch']}, {result['device']}, {result['steps']} steps, global batch "
+        f"torch {result['torch']}, {result['device']}, {width} width{target}, {result['steps']} steps, global batch "
         f"{result['global_batch']} x {result['seq_len']} tokens"
+        + (" (the GIL-bound case: Python launching small kernels)" if width == "tiny" else "")
     ]
     if any(row.get("compile_mode") == "reduce-overhead" for row in result["rows"]):
         lines.append("+cg: --compile-mode reduce-overhead (the drafter step's loss as CUDA graphs)")
+    if any(row.get("streams") == "shared" for row in result["rows"]):
+        lines.append("/1s: --cuda-streams shared (every thread on the device's default stream)")
     for row in result["rows"]:
-        label = f"{row['mode']:<12} x{row['replicas']}"
+        label = f"{row['mode']:<15} x{row['replicas']}"
         if "error" in row:
             lines.append(f"{label}: failed (exit {row['returncode']}): {row['error']}")
             continue
         skips = row.get("cudagraph_skips", 0)
+        mfu = f", MFU {row['mfu']:.1%}" if row.get("mfu") is not None else ""
         lines.append(
-            f"{label}: {row['tokens_per_s'] or 0:>9,.0f} tokens/s (x{row.get('vs_threads', 1.0):.2f} threads), "
+            f"{label}: {row['tokens_per_s'] or 0:>9,.0f} tokens/s (x{row.get('vs_threads', 1.0):.2f} threads){mfu}, "
             f"all first steps {row['all_first_steps_s']:.1f} s, peak CUDA {row['cuda_peak_gib']:.2f} GiB, "
             f"host RSS {row['host_rss_gib']:.2f} GiB, {row['unique_graphs']} graphs"
             f"{', EAGER FALLBACK' if row['eager_fallback'] else ''}"

@@ -28,6 +28,8 @@ class StepBatch:
     # drafter step would wait for the GPU to read the number.
     supervised: int
     features: torch.Tensor | None = None  # [B, S, k * D], filled in by a target worker
+    # Recorded on the target thread's stream once the shard's tensors are made (see streams.py).
+    ready: torch.cuda.Event | None = None
 
     def split(self, n: int) -> list[StepBatch]:
         """``n`` shards along the batch dimension (the batch size is a multiple of ``n``)."""
@@ -43,14 +45,24 @@ class StepBatch:
             for i in range(n)
         ]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: v for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
     def to(self, device: torch.device) -> StepBatch:
-        # Blocking copies: the target thread may reuse its memory as soon as the shard is queued.
-        moved = {
-            f.name: getattr(self, f.name).to(device)
-            for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        }
-        return dataclasses.replace(self, **moved)
+        return dataclasses.replace(self, **{name: to_device(t, device) for name, t in self.tensors().items()})
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, without making the calling thread wait for the GPU. A blocking copy from
+    pageable host memory waits for everything queued on the thread's stream (on a shared stream, for every
+    thread's work); from pinned memory the copy is queued, and the pinned block is kept until it is done."""
+    if tensor.device.type == "cpu" and device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def make_step_batch(

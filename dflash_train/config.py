@@ -74,6 +74,13 @@ class DevicesSection:
     )
     drafter_threads_per_device: int = _opt(2, "drafter threads (data-parallel replicas) per drafter device")
     queue_size: int = _opt(4, "bound of each drafter's queue of target hidden states (backpressure)")
+    cuda_streams: str = _opt(
+        "per-thread",
+        "CUDA streams of the worker threads: 'per-thread' (each its own, so that a target's forward of the next "
+        "step runs on the GPU while the drafters step) or 'shared' (all on the device's default stream, one "
+        "kernel after another)",
+        metavar="HOW",
+    )
 
 
 @dataclass
@@ -239,6 +246,8 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
             raise ConfigError("--lr must be positive and --min-lr-ratio in [0, 1]")
         parse_devices(cfg.target_devices, "--target-devices")
         check_compile_mode(cfg)
+        if cfg.cuda_streams not in CUDA_STREAMS:
+            raise ConfigError(f"--cuda-streams {cfg.cuda_streams!r}: use {' or '.join(map(repr, CUDA_STREAMS))}")
         if cfg.fault and not FAULT_SPEC.match(cfg.fault):
             raise ConfigError(f"--fault {cfg.fault!r}: use 'raise@drafter:STEP', 'hang@target:STEP', ...")
         replicas = Ranks.from_env().world_size * cfg.drafter_thread_count()
@@ -298,6 +307,9 @@ def parse_devices(spec: str, flag: str) -> list[str]:
             raise ConfigError(f"{flag}: '{d}' is not a device (use 'cpu', 'cuda' or 'cuda:N')")
     return devices
 
+
+# --cuda-streams values (streams.py, which needs torch, does the work).
+CUDA_STREAMS = ("per-thread", "shared")
 
 # torch.compile(mode=...) values the trainer takes; all but 'default' compile the drafter layers on CUDA.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")

@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 import torchfix  # noqa: F401  (makes torch's compile state thread-local: threads may compile concurrently)
 
-from .batch import StepBatch, make_step_batch
+from . import streams
+from .batch import StepBatch, make_step_batch, to_device
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, Ranks, TrainConfig, parse_devices
 from .data import TrainingData, eval_prompts
@@ -275,7 +276,7 @@ class Trainer:
             gamma=cfg.loss_gamma,
             seed=cfg.seed,
         ).split(self.ranks.world_size)[self.ranks.rank]
-        batch.features = target.features(batch.input_ids)
+        batch.features = target.features(to_device(batch.input_ids, target.device))
         shards = batch.split(len(self.replicas))
         return [shard.to(device) for shard, device in zip(shards, self.drafter_devices)]
 
@@ -407,27 +408,27 @@ class Trainer:
         inboxes: list[queue.Queue] = [queue.Queue(maxsize=cfg.queue_size) for _ in self.replicas]
         fault = cfg.fault if self.ranks.is_last else ""  # one failing rank is the interesting case
         turnstile = Turnstile(start)
+        per_thread = cfg.cuda_streams == "per-thread"
         for i, target in enumerate(self.targets):
             steps = range(start + i, end, len(self.targets))
-            work = partial(self.target_step, target)
+            work = partial(target_worker, job, partial(self.target_step, target), steps, turnstile, inboxes, fault)
             job.start(
-                f"target-{i} ({target.device})", partial(target_worker, job, work, steps, turnstile, inboxes, fault)
+                f"target-{i} ({target.device})",
+                streams.on_stream(streams.worker_stream(target.device, per_thread), work),
             )
         last = len(self.replicas) - 1
         for index, device in enumerate(self.drafter_devices):
-            job.start(
-                f"drafter-{index} ({device})",
-                partial(
-                    drafter_worker,
-                    job,
-                    partial(self.train_step, index),
-                    inboxes[index],
-                    self.sync,
-                    range(start, end),
-                    after_step=self.after_step if index == 0 else None,
-                    fault=fault if index == last else "",  # on the last drafter thread
-                ),
+            work = partial(
+                drafter_worker,
+                job,
+                partial(self.train_step, index),
+                inboxes[index],
+                self.sync,
+                range(start, end),
+                after_step=self.after_step if index == 0 else None,
+                fault=fault if index == last else "",  # on the last drafter thread
             )
+            job.start(f"drafter-{index} ({device})", streams.on_stream(streams.worker_stream(device, per_thread), work))
         with Watchdog(job, cfg.watchdog_timeout), stop_on_ctrl_c(job):
             try:
                 run = self._follow(job, inboxes)
@@ -438,6 +439,7 @@ class Trainer:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if job.failure is not None:
             raise job.failure
+        streams.synchronize([*self.target_devices, *self.drafter_devices])  # the workers' streams, for what follows
         return run
 
     def _follow(self, job: Job, inboxes: list[queue.Queue]) -> _Run:

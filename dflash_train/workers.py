@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from . import streams
 from .batch import StepBatch
 from .config import FAULT_SPEC
 from .distributed import Collectives
@@ -154,10 +155,12 @@ def target_worker(
     fault: str,
 ) -> None:
     """For each of ``steps``: ``work(step)`` (one shard per drafter replica), then the shards into the
-    replicas' queues, in step order."""
+    replicas' queues, in step order, each with the event its replica's stream waits for."""
     for step in steps:
         inject_fault(fault, "target", step)
         shards = work(step)
+        for shard in shards:
+            shard.ready = streams.record(shard.device)
         turnstile.wait_turn(step, job)
         for q, shard in zip(queues, shards):
             job.put(q, shard)
@@ -241,6 +244,8 @@ class StepSync:
         self.collectives = collectives
         self.average = GradientAverager(replicas, collectives, grad_clip)
         self._figures: list[torch.Tensor] = [None] * self.size  # type: ignore[list-item]
+        self._backward_done: list[torch.cuda.Event | None] = [None] * self.size  # each replica's, on its stream
+        self._averaged: dict[torch.device, torch.cuda.Event | None] = {}  # the barrier action's, per device
         self.figures: StepFigures | None = None  # the last step's
         self.stop = False
         self.barrier = threading.Barrier(self.size, action=self._at_barrier)
@@ -250,9 +255,13 @@ class StepSync:
         # Each replica's loss is already scaled so that the mean over replicas is the step loss. The
         # counts are averaged over ranks too, which leaves their ratio (the accuracy) as it is.
         try:
+            devices = {f.device for f in self._figures}
+            for event, figures in zip(self._backward_done, self._figures):
+                streams.wait(event, figures.device)
             device = self._figures[0].device
             summed = torch.stack([f.to(device) for f in self._figures]).sum(0)
             self.figures = StepFigures(self.average(summed), self.size)
+            self._averaged = {d: streams.record(d) for d in devices}
             self.stop = self.collectives.any_(self.job.stop_requested.is_set())  # Ctrl-C on any rank stops all
         except BaseException:
             # A failed collective (another rank died): report it before the other threads see a
@@ -265,7 +274,9 @@ class StepSync:
         # GPU): [loss, correct predictions, supervised labels] of this replica.
         count = loss.new_full((), supervised, dtype=torch.float32)
         self._figures[index] = torch.stack([loss.detach().float(), correct.float(), count])
+        self._backward_done[index] = streams.record(loss.device)
         self.barrier.wait()
+        streams.wait(self._averaged[loss.device], loss.device)  # the averaged gradients, before the optimizer
 
 
 def drafter_worker(
@@ -287,6 +298,7 @@ def drafter_worker(
         inject_fault(fault, "drafter", step)
         batch: StepBatch = job.get(inbox)  # type: ignore[assignment]
         assert batch.step == step, f"{threading.current_thread().name} expected step {step}, got {batch.step}"
+        streams.wait(batch.ready, batch.device, batch.tensors().values())  # the target's stream made them
         train_step(batch)
         job.progress()
         if step == steps[0]:

@@ -38,25 +38,29 @@ def test_trainer_rows_with_cuda_graphs_on_cuda_only():
     from bench import trainer
 
     assert trainer.configurations("cpu", (1, 2)) == [
-        ("threads", 1, "default"),
-        ("threads", 2, "default"),
-        ("lock", 2, "default"),
-        ("processes", 2, "default"),
+        ("threads", 1, "default", "per-thread"),
+        ("threads", 2, "default", "per-thread"),
+        ("lock", 2, "default", "per-thread"),
+        ("processes", 2, "default", "per-thread"),
     ]
-    cg = [(way, n) for way, n, mode in trainer.configurations("cuda:0", (1, 2, 3)) if mode == "reduce-overhead"]
+    cuda = trainer.configurations("cuda:0", (1, 2, 3))
+    cg = [(way, n) for way, n, mode, streams in cuda if mode == "reduce-overhead" and streams == "per-thread"]
     assert cg == [("threads", 1), ("threads", 2), ("threads", 3), ("processes", 3)]
+    # One drafter thread (with its target thread) on one shared stream too, in both modes.
+    shared = [(n, mode) for way, n, mode, streams in cuda if streams == "shared"]
+    assert shared == [(1, "default"), (1, "reduce-overhead")]
     row = dict(replicas=3, tokens_per_s=1000.0, all_first_steps_s=1.0, cuda_peak_gib=0.1, host_rss_gib=1.0)
     row |= dict(unique_graphs=3, eager_fallback=False, cudagraph_skips=0)
     result = dict(torch="2.13.0", device="cuda:0", steps=4, global_batch=12, seq_len=256)
     result["rows"] = [
         row | dict(mode="threads", compile_mode="default"),
-        row | dict(mode="threads+cg", compile_mode="reduce-overhead", vs_threads=1.5),
+        row | dict(mode="threads+cg", compile_mode="reduce-overhead", vs_threads=1.5, mfu=0.374),
         row | dict(mode="processes+cg", compile_mode="reduce-overhead", vs_threads=2.0, cudagraph_skips=2),
     ]
     lines = trainer.table(result).splitlines()
     assert lines[1].startswith("+cg: --compile-mode reduce-overhead")
-    assert lines[3].startswith("threads+cg   x3:") and "(x1.50 threads)" in lines[3]
-    assert lines[4].startswith("processes+cg x3:") and lines[4].endswith("CUDA GRAPHS SKIPPED 2 TIMES")
+    assert lines[3].startswith("threads+cg      x3:") and "(x1.50 threads), MFU 37.4%," in lines[3]
+    assert lines[4].startswith("processes+cg    x3:") and lines[4].endswith("CUDA GRAPHS SKIPPED 2 TIMES")
 
 
 def test_real_target_builds_a_model_the_trainer_loads(tmp_path):

@@ -34,3 +34,34 @@ def test_threads_training_compiled_flex_attention_on_one_gpu(disabled):
     else:
         assert not report["hung"] and not report["errors"], report
         assert len(report["first_step_s"]) == report["threads"]
+
+
+def trainer_losses(streams: str, compile_mode: str, out: Path) -> subprocess.Popen:
+    """Start the trainer on cuda:0 (random tiny target, 1 target + 2 drafter threads, fresh compile caches)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"), TRITON_CACHE_DIR=str(out / "triton"))
+    flags = ["--target-devices=cuda:0", "--drafter-devices=cuda:0", "--drafter-threads-per-device=2", "--steps=30"]
+    flags += ["--tiny-target-steps=0", "--regenerate=0", "--eval-prompts=0", "--save-every=0", "--no-progress"]
+    flags += [f"--cuda-streams={streams}", f"--compile-mode={compile_mode}", f"--out-dir={out}"]
+    flags += [f"--cache-dir={out / 'cache'}"]
+    command = [sys.executable, "-m", "dflash_train", *flags]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
+def test_a_stream_per_thread_trains_as_one_shared_stream_does(tmp_path, compile_mode):
+    """The same seeded job, twice on one shared stream and once with a stream per thread (the three at once, so
+    that the GPU is busy): the per-thread run's losses differ from a shared run's by no more than the two shared
+    runs differ from each other. A tensor read before the stream that made it finished, or overwritten after
+    its memory went back to the allocator, would show as a different loss."""
+    streams = {"shared-a": "shared", "shared-b": "shared", "per-thread": "per-thread"}
+    runs = {name: trainer_losses(how, compile_mode, tmp_path / name) for name, how in streams.items()}
+    losses = {}
+    for name, proc in runs.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in records if r["type"] == "train"]
+    assert len(losses["per-thread"]) == len(losses["shared-a"]) == 30
+    spread = max(abs(a - b) for a, b in zip(losses["shared-a"], losses["shared-b"]))
+    diff = max(abs(a - b) for a, b in zip(losses["per-thread"], losses["shared-a"]))
+    assert diff <= spread + 1e-6 * max(losses["shared-a"]), (diff, spread, losses)

@@ -185,6 +185,7 @@ def main_env(monkeypatch):
             "--compile-mode reduce-overhead is for CUDA drafters, and the drafter ",
         ),
         (["--compile-mode", "max-autotune-no-cudagraphs"], "--compile-mode max-autotune-no-cudagraphs is for CUDA "),
+        (["--cuda-streams", "two"], "--cuda-streams 'two': use 'per-thread' or 'shared'"),
         (
             ["--drafter-devices", "cuda:0", "--compile-mode", "reduce-overhead", "--no-compile"],
             "--compile-mode reduce-overhead compiles the drafter layers: it cannot go with --no-compile",
