@@ -124,6 +124,11 @@ class CompileSection:
         "compiled (see --compile-mode) is always compiled with inductor",
         metavar="NAME",
     )
+    compile_target: bool = _opt(
+        True,
+        "on CUDA (with --compile), compile the target's forward too (inductor, without CUDA graphs; its hidden "
+        "states go to the drafter threads); --no-compile-target runs it eagerly",
+    )
     compile_mode: str = _opt(
         "default",
         "torch.compile mode on CUDA drafters: 'default' (the layers eager, flex attention and its block mask "

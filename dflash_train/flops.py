@@ -4,8 +4,9 @@ The count is of the matrix multiplications the step's math needs (2 FLOPs per mu
 kernels do; elementwise work, norms and softmax are left out. With T = B·S context tokens of a step and
 Q = B·N·bs block tokens (N anchors of bs tokens per sequence):
 
-* target, forward only (frozen; the LM head is skipped): 2·T·P + 2·T·S·d_attn per layer, where P is the
-  decoder layers' weights and the causal attention's QKᵀ and AV cost 2·S·d_attn per token on average;
+* target, forward only (frozen), up to its last tapped layer (the later layers and the LM head do not run):
+  2·T·P + 2·T·S·d_attn per layer, where P is a decoder layer's weights and the causal attention's QKᵀ and AV
+  cost 2·S·d_attn per token on average;
 * drafter forward: ``fc`` 2·T·(k·D)·D; per layer q and o over Q tokens, k and v over the T + Q tokens
   they are computed for (K/V injection), the MLP over Q, attention 4·Q·(S/2 + bs)·d_attn (a block sees the
   context up to its anchor, S/2 on average, and its own bs tokens); the LM head 2·Q·D·V in the loss;
@@ -47,10 +48,11 @@ def step_flops(
     tokens, blocks = batch_size * seq_len, batch_size * num_anchors * block_size
     d, q_width, kv_width, attn = target.hidden_size, *_attention_width(target)
     per_layer = 2 * d * q_width + 2 * d * kv_width + 3 * d * target.intermediate_size  # q, o; k, v; MLP
-    target_forward = target.num_hidden_layers * (2 * tokens * per_layer + 2 * tokens * seq_len * attn)
+    tap_ids = drafter.dflash_config["target_layer_ids"]
+    target_forward = (max(tap_ids) + 1) * (2 * tokens * per_layer + 2 * tokens * seq_len * attn)
 
     d, q_width, kv_width, attn = drafter.hidden_size, *_attention_width(drafter)
-    taps = len(drafter.dflash_config["target_layer_ids"])
+    taps = len(tap_ids)
     layer = (
         2 * blocks * 2 * d * q_width  # q and o projections of the block tokens
         + 2 * (tokens + blocks) * 2 * d * kv_width  # k and v of context and block tokens

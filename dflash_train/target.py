@@ -6,6 +6,7 @@ concatenated (DFlash's context feature). Evaluation also needs its logits.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -60,6 +61,13 @@ class Target:
         n_layers = model.config.num_hidden_layers
         if max(tap_ids) >= n_layers:
             raise ConfigError(f"tapped layers {tap_ids} do not exist in a {n_layers}-layer target")
+        self.trunk = _trunk(model.base_model, max(tap_ids) + 1)
+        self.trunk_layers = len(self.trunk.layers) if hasattr(self.trunk, "layers") else n_layers
+
+    def compile_features(self) -> None:
+        """Compile the forward of ``features`` (by inductor, without CUDA graphs: the hidden states it returns
+        are handed to the drafter threads and must not be overwritten by the next step's replay)."""
+        self.trunk = torch.compile(self.trunk)
 
     @property
     def hidden_size(self) -> int:
@@ -78,7 +86,7 @@ class Target:
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, S] -> the concatenated tapped hidden states, [B, S, k * hidden]. Skips the LM head."""
-        out = self.model.base_model(input_ids.to(self.device), output_hidden_states=True)
+        out = self.trunk(input_ids.to(self.device), output_hidden_states=True)
         return self._taps(out.hidden_states)
 
     @torch.no_grad()
@@ -86,6 +94,29 @@ class Target:
         """Logits of the ``last`` positions [B, last, V] and the features of all positions."""
         out = self.model(input_ids.to(self.device), output_hidden_states=True, logits_to_keep=last)
         return out.logits.float(), self._taps(out.hidden_states)
+
+
+def _trunk(base: nn.Module, layers: int) -> nn.Module:
+    """``base`` (the decoder without its LM head) cut after its first ``layers`` layers, sharing the weights: the
+    features need no later layer (in the 839 M benchmark target, 2 of 16). Its final norm is dropped too, since
+    transformers reports the last hidden state after that norm and the last kept layer may be tapped. A model
+    without ``layers`` and ``norm`` runs whole."""
+    if not isinstance(getattr(base, "layers", None), nn.ModuleList) or not isinstance(
+        getattr(base, "norm", None), nn.Module
+    ):
+        return base
+    if layers >= len(base.layers):
+        return base
+    # transformers records hidden states by hooks it puts on the layers at a model's first forward, marking that
+    # model hooked: a copy made before would hook the shared layers again, and every model using them would then
+    # record each layer twice. One forward first, so that the copy is born marked.
+    with torch.no_grad():
+        base(torch.zeros(1, 1, dtype=torch.long, device=next(base.parameters()).device), output_hidden_states=True)
+    trunk = copy.copy(base)
+    trunk._modules = dict(base._modules)  # its own module table; the modules (and weights) stay shared
+    trunk.layers = nn.ModuleList(base.layers[:layers])
+    trunk.norm = nn.Identity()
+    return trunk
 
 
 # --- the tiny byte-level target -------------------------------------------------------------------

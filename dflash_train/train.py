@@ -250,8 +250,8 @@ class Trainer:
     def describe(self) -> str:
         cfg, target, ranks = self.cfg, self.targets[0], self.ranks
         return (
-            f"target {cfg.target!r}: {target.model.config.num_hidden_layers} layers, hidden "
-            f"{target.hidden_size}, tapped layers {target.tap_ids}; drafter: {cfg.drafter_layers} layers, "
+            f"target {cfg.target!r}: {target.model.config.num_hidden_layers} layers ({target.trunk_layers} run), "
+            f"hidden {target.hidden_size}, tapped layers {target.tap_ids}; drafter: {cfg.drafter_layers} layers, "
             f"{sum(p.numel() for p in self.replicas[0].parameters()):,} trainable parameters, block {cfg.block_size}; "
             f"{len(self.replicas)} drafter threads on {cfg.drafter_devices}, {len(self.targets)} target thread(s) on "
             f"{cfg.target_devices}"
@@ -341,6 +341,10 @@ class Trainer:
         for replica, device in zip(self.replicas, self.drafter_devices):
             compile_replica(replica, device, cfg)
             replica.train()
+        if cfg.compile and cfg.compile_target:
+            for target in self.targets:
+                if target.device.type == "cuda":
+                    target.compile_features()  # after the evaluation, which runs the whole model
         cpu_workers = sum(d.type == "cpu" for d in [*self.drafter_devices, *self.target_devices])
         with cpu_thread_budget(cpu_workers * ranks.local_world_size):
             run = self._run_threads()

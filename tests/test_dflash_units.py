@@ -199,6 +199,20 @@ def tiny_pair():
     return model, target, drafter.eval()
 
 
+def test_target_features_run_only_the_layers_up_to_the_last_tap(tiny_pair):
+    """The tiny target has 5 layers and taps 1 and 2: features run 3 of them, and equal the taps of the whole
+    model's hidden states (the last kept layer's output as it is, not after the final norm)."""
+    model, target, _ = tiny_pair
+    assert target.trunk_layers == 3 and len(model.base_model.layers) == 5  # the model itself keeps its layers
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model.base_model(ids, output_hidden_states=True).hidden_states
+    assert torch.equal(target.features(ids), torch.cat([whole[2], whole[3]], dim=-1))
+    with torch.no_grad():  # and the whole model still records each layer once (the evaluation's path)
+        again = model.base_model(ids, output_hidden_states=True).hidden_states
+    assert len(again) == 6 and all(torch.equal(a, b) for a, b in zip(again, whole))
+
+
 def test_speculative_decoding_reproduces_target_greedy(tiny_pair):
     model, target, drafter = tiny_pair
     prompt, new = list(b"def main():\n    "), 24
