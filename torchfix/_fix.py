@@ -3,21 +3,44 @@
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
-
 # The newest torch minor release every fix was checked against: a later one is "unsupported" until checked.
 NEWEST_CHECKED = "2.15"
 
+_RELEASE = re.compile(r"(\d+)\.(\d+)")  # what any torch version string begins with: 2.13.0+cu130, 2.16.0a0+git...
 
-def releases(first: str, last: str = NEWEST_CHECKED) -> SpecifierSet:
-    """The torch releases from minor version ``first`` through ``last``, patch and pre-releases included."""
-    major, minor = map(int, last.split("."))
-    return SpecifierSet(f">={first},<{major}.{minor + 1}", prereleases=True)
+
+def minor_release(torch_version: str) -> tuple[int, int] | None:
+    """(major, minor) of a torch version string, pre-releases and local builds included; None if it is not one.
+
+    The one way torchfix reads a version: fixes are written against a minor release's source."""
+    match = _RELEASE.match(torch_version.strip())
+    return (int(match[1]), int(match[2])) if match else None
+
+
+@dataclass(frozen=True)
+class Releases:
+    """The torch minor releases ``first`` through ``last`` (their patch releases and pre-releases too)."""
+
+    first: tuple[int, int]
+    last: tuple[int, int]
+
+    def __contains__(self, torch_version: str) -> bool:
+        release = minor_release(torch_version)
+        return release is not None and self.first <= release <= self.last
+
+    def __str__(self) -> str:
+        first, last = (".".join(map(str, r)) for r in (self.first, self.last))
+        return first if first == last else f"{first} - {last}"
+
+
+def releases(first: str, last: str = NEWEST_CHECKED) -> Releases:
+    """The torch releases from minor version ``first`` (say "2.6") through ``last``."""
+    return Releases(minor_release(first), minor_release(last))  # type: ignore[arg-type]
 
 
 class Patch(Protocol):
@@ -69,7 +92,7 @@ class Fix:
 
     name: str
     hazard: str  # one line: what goes wrong without the fix
-    versions: SpecifierSet  # the torch releases whose source the patches were written against
+    versions: Releases  # the torch releases whose source the patches were written against
     probe: Callable[[], str | None]
     patches: Callable[[str], list[Patch]]  # torch version -> fresh patch objects (they hold their undo state)
     # The module whose import applies the fix: torch, or a part of torch that `import torch` does not load
@@ -80,10 +103,7 @@ class Fix:
     hazard_is_cost: bool = False
 
     def supports(self, torch_version: str) -> bool:
-        try:
-            return self.versions.contains(Version(torch_version), prereleases=True)
-        except InvalidVersion:
-            return False
+        return torch_version in self.versions
 
     def apply(self, torch_version: str) -> tuple[FixStatus, list[Patch]]:
         """Apply every patch or none. Returns the status and the applied patches (for revert)."""

@@ -27,10 +27,8 @@ from __future__ import annotations
 import ast
 import importlib
 
-from packaging.version import Version
-
 from .._defaults import ConfigDefault, KeywordDefault
-from .._fix import Fix, releases
+from .._fix import Fix, minor_release, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
@@ -91,7 +89,7 @@ def _config_entry() -> object | None:
 def _probe() -> str | None:
     import torch
 
-    if Version(str(torch.__version__)).release < (2, 6):
+    if minor_release(str(torch.__version__)) < (2, 6):
         return "before torch 2.6 the backward compiler does not take compile_lock"
     entry = _config_entry()
     if entry is not None:
@@ -103,7 +101,7 @@ def _probe() -> str | None:
 
 
 def _patches(torch_version: str) -> list:
-    release = Version(torch_version).release
+    release = minor_release(torch_version)
     if release >= (2, 10):
         return [ConfigDefault(CONFIG, SWITCH, True)]
     if release >= (2, 9):

@@ -31,9 +31,7 @@ import importlib
 import threading
 from collections import defaultdict
 
-from packaging.version import Version
-
-from .._fix import Fix, releases
+from .._fix import Fix, minor_release, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 from ._thread_stash import stash_until_thread_end
@@ -124,7 +122,7 @@ class _ReleaseAtThreadEnd(SourcePatch):
 
 
 def _patches(torch_version: str) -> list[SourcePatch]:
-    backported = Version(torch_version).release < (2, 13)
+    backported = minor_release(torch_version) < (2, 13)
     return [_TreesPerThread() if backported else _ReleaseAtThreadEnd()]
 
 

@@ -14,9 +14,7 @@ The global moves to a ``threading.local`` with :class:`ThreadLocalGlobals`.
 
 from __future__ import annotations
 
-from packaging.version import Version
-
-from .._fix import Fix, releases
+from .._fix import Fix, minor_release, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
 
 HOLDER = "_ctx_getter_tls"
@@ -25,7 +23,7 @@ GETTER = "global_ctx_getter"
 
 def _module(torch_version: str) -> str:
     """torch 2.5 renamed abstract_impl to fake_impl."""
-    return "torch._library." + ("fake_impl" if Version(torch_version).release >= (2, 5) else "abstract_impl")
+    return "torch._library." + ("fake_impl" if minor_release(torch_version) >= (2, 5) else "abstract_impl")
 
 
 def _probe() -> str | None:
