@@ -13,70 +13,62 @@ from dataclasses import dataclass
 import pytest
 from packaging.version import Version
 
-TORCH_VERSION = Version(
+# Every fix's self-test scenarios as the fix declares them (torchfix._fix.Scenario), evaluated for this torch, and
+# torch's version: read in a fresh interpreter (importing torchfix here would patch torch in the test process).
+_DECLARED = """
+import json, torch
+from torchfix import fixes
+here = torch.__version__
+scenarios = [
+    dict(
+        id=f"{fix.name}:{s.call}", fix=fix.name, call=s.call, function=s.function, hazard=here in s.hazard,
+        shows=s.shows, needs=s.needs, crashes=s.crashes is not None and here in s.crashes,
+        runs_without_fix=not s.needs_fix or fix.supports(here), stage=s.stage,
+    )
+    for fix in fixes.ALL for s in fix.scenarios
+]
+print(json.dumps({"torch": here, "scenarios": scenarios}))
+"""
+_declared = json.loads(
     subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, check=True
-    ).stdout.strip()
+        [sys.executable, "-c", _DECLARED],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "TORCHFIX_DISABLE": "1"},
+    ).stdout.splitlines()[-1]
 )
+TORCH_VERSION = Version(_declared["torch"])
+SCENARIOS: list[dict] = _declared["scenarios"]
+
+
+def hazard_here(function: str) -> bool:
+    """Whether this torch has the hazard that the declared scenario ``function`` shows."""
+    return any(s["hazard"] for s in SCENARIOS if s["function"] == function)
+
+
 # The first release no fix was checked against (the one after torchfix._fix.NEWEST_CHECKED; a test checks they
-# agree): the hazards of the newest checked release are taken as present up to it. Not imported from torchfix:
-# importing it here would patch torch in the test process itself.
+# agree). Not imported from torchfix, which would patch torch in the test process itself.
 UNCHECKED = (2, 16)
-# The FX tracing flag is a process global before torch 2.14 (H1); _set_compilation_env exists from 2.2 (H2).
-HAS_H1 = TORCH_VERSION.release < (2, 14)
-HAS_H2 = (2, 2) <= TORCH_VERSION.release < (2, 14)
-# Every Dynamo compile sets torch.compiler._is_compiling_flag, still a process global, from 2.13 (H3).
-HAS_H3 = (2, 13) <= TORCH_VERSION.release < UNCHECKED
-# Tracer.trace patches nn.Module and wrapped functions process-wide in every release so far (H4).
-HAS_H4 = TORCH_VERSION.release < UNCHECKED
+HAS_H1 = hazard_here("h1_nested_trace_error")  # the FX tracing flag, a process global before torch 2.14
+HAS_H3 = hazard_here("h3_is_compiling_elsewhere")  # torch.compiler._is_compiling_flag, set by every compile (2.13+)
+HAS_H4 = hazard_here("h4_trace_patches_leak")  # Tracer.trace patches nn.Module process-wide, every release so far
 # The H5 fix compiles backward graphs with their forward from 2.6 (torch's switch from 2.9, its eager
 # path for dynamic shapes before).
 HAS_H5_FIX = TORCH_VERSION.release >= (2, 6)
-# Dynamo 2.2 keeps the backends its guards look up (eval_frame's cached_backends) per thread, so code compiled in
-# one thread fails its guard with KeyError in another that compiled it again; 2.1 guards no backend, 2.3 shares them.
-HAS_PER_THREAD_GUARDED_BACKENDS = TORCH_VERSION.release[:2] == (2, 2)
-# torch._ops.get_cached_ops() (2.1+) hands out the live process-wide set, which pre-dispatch mode pushes iterate.
-HAS_CACHED_OPS = (2, 1) <= TORCH_VERSION.release < UNCHECKED
 # Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
 HAS_H6 = TORCH_VERSION.release >= (2, 12)
-# torch.export._trace's _EXPORT_MODULE_HIERARCHY (2.4+; _EXPORT_FLAGS, only for logs, from 2.3): globals to 2.15.
-HAS_EXPORT_TRACE = (2, 4) <= TORCH_VERSION.release < UNCHECKED
-# torch._library's global_ctx_getter, what torch.library.get_ctx() returns (2.2+): a process global to 2.15; the
-# scenario's custom operator needs torch.library.custom_op (2.4+).
-HAS_FAKE_IMPL_CTX = (2, 4) <= TORCH_VERSION.release < UNCHECKED
-# Non-strict export patches builtins.max/min for the process while it traces (2.8+), in every release so far.
-HAS_EXPORT_BUILTINS = (2, 8) <= TORCH_VERSION.release < UNCHECKED
-# proxy_tensor's _CURRENT_MAKE_FX_TRACER, the make_fx trace in progress (2.4+): a process global to 2.15.
-HAS_MAKE_FX_TRACER = (2, 4) <= TORCH_VERSION.release < UNCHECKED
-# torch.export.save registers its FakeTensor reducer in the process-wide copyreg table (2.3+); the scenario's
-# held save pickles the example inputs, which save writes from 2.4.
-HAS_EXPORT_SAVE = (2, 4) <= TORCH_VERSION.release < UNCHECKED
-# torch._ops' pre-dispatch mode stack (2.3+) is one for the process to 2.15; torch.export.export pushes onto it
-# from 2.4 (2.3 exports without pre-dispatch tracing: only make_fx(pre_dispatch=True) uses the stack there).
-HAS_PRE_DISPATCH_MODES = (2, 4) <= TORCH_VERSION.release < UNCHECKED
-# CUDA graph trees (2.1+): the tree containers exist only in the importing thread before 2.13; the
-# mark-step counter and the generation are process globals in every release so far (H7).
-HAS_H7_TREES = (2, 1) <= TORCH_VERSION.release < (2, 13)
-# A thread's trees stay in torch's C++ thread-local stash past its end in every release with trees (on
-# 2.1 - 2.12 a thread has none of its own without the fix, which the same scenario reports as the hazard).
-HAS_H7_TREES_AT_END = (2, 1) <= TORCH_VERSION.release < UNCHECKED
-HAS_H7_COUNTERS = (2, 1) <= TORCH_VERSION.release < UNCHECKED
-# torch.fx.traceback's node metadata is process-global in every release so far (upstream #184917).
-HAS_NODE_META = TORCH_VERSION.release < UNCHECKED
-# torch.export.load keeps the deserializer at work in a process global from 2.3 (upstream #195099).
-HAS_EXPORT_LOAD = (2, 3) <= TORCH_VERSION.release < UNCHECKED
-# torch.compiler.set_stance (2.6+) keeps the stance in a process global in every release so far.
-HAS_STANCE = (2, 6) <= TORCH_VERSION.release < UNCHECKED
 # Threads missing Dynamo's cache together each compile the frame again (2.6+ here); the fix needs 2.6+.
 HAS_RECHECK_FIX = TORCH_VERSION.release >= (2, 6)
 # Seen in the matrix: these releases segfault when a thread recompiles a frame that other threads wait to
 # run, and without compile-cache-recheck (2.10: 3 of 3 runs) when they duplicate one frame's compile.
 TORCH_CRASHES_ON_CONCURRENT_RECOMPILE = (2, 10) <= TORCH_VERSION.release < (2, 12)
-# And when threads make_fx at once (and when one make_fx trace ends while another thread's is open):
-# FakeTensorMode.__enter__ calls torch._C._ensureCUDADeviceGuardSet() on a
+# And when threads make_fx at once: FakeTensorMode.__enter__ calls torch._C._ensureCUDADeviceGuardSet() on a
 # machine without CUDA, which segfaulted in 6 of 9 four-second soaks on 2.10, with torchfix and without (C++
-# state, out of torchfix's reach); 2.11 has the same code and was not run; 2.13 did not crash.
-TORCH_CRASHES_ON_CONCURRENT_MAKE_FX = (2, 10) <= TORCH_VERSION.release < (2, 12)
+# state, out of torchfix's reach). The make-fx-tracer fix declares those releases.
+TORCH_CRASHES_ON_CONCURRENT_MAKE_FX = any(
+    s["crashes"] for s in SCENARIOS if s["function"] == "make_fx_tracer_elsewhere"
+)
 
 
 @dataclass

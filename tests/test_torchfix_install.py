@@ -1,7 +1,7 @@
 """Import orderings and the install/uninstall lifecycle, each in a fresh interpreter."""
 
 import pytest
-from conftest import HAS_H1, HAS_H3, HAS_H4, HAS_RECHECK_FIX, run_ok
+from conftest import HAS_H1, HAS_H3, HAS_H4, HAS_RECHECK_FIX, SCENARIOS, run_ok
 
 needs_h1 = pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ keeps the FX flag per thread itself")
 
@@ -205,3 +205,43 @@ def test_the_tests_know_the_newest_checked_release():
     newest = run_ok("from torchfix._fix import NEWEST_CHECKED; print(NEWEST_CHECKED)").stdout.strip()
     major, minor = map(int, newest.split("."))
     assert UNCHECKED == (major, minor + 1), (UNCHECKED, newest)
+
+
+# Per fix, its first scenario that shows a hazard on this torch and leaves the process usable without the fix.
+SHOWN_HERE = list(
+    {
+        s["fix"]: s
+        for s in reversed(SCENARIOS)
+        if s["hazard"] and s["stage"] == 0 and not s["crashes"] and s["runs_without_fix"]
+    }.values()
+)[::-1]
+
+UNINSTALL_ONE = """
+import dataclasses, importlib, json, os
+import torch, torchfix
+from torchfix import _selftest, fixes
+def load_triggers():  # the fixes that wait for a part of torch apply when it is imported
+    for fix in fixes.ALL:
+        try:
+            importlib.import_module(fix.trigger)
+        except ImportError:
+            pass
+def hazard():
+    return _selftest.{call}.hazard
+load_triggers()
+found = {{"with": hazard()}}
+torchfix.uninstall()
+found["after uninstall"] = hazard()
+torchfix.install()
+load_triggers()
+found["after reinstall"] = hazard()
+found["state"] = next(s.state.value for s in torchfix.status() if s.name == {fix!r})
+print(json.dumps(found), flush=True)
+os._exit(0)  # torch 2.3's interpreter teardown after a threaded compile can abort or hang, fix or not
+"""
+
+
+@pytest.mark.parametrize("declared", SHOWN_HERE, ids=[s["fix"] for s in SHOWN_HERE])
+def test_uninstall_brings_each_hazard_back_and_install_removes_it_again(declared):
+    found = run_ok(UNINSTALL_ONE.format(call=declared["call"], fix=declared["fix"])).json()
+    assert found == {"with": False, "after uninstall": True, "after reinstall": False, "state": "applied"}, found

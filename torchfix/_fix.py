@@ -43,6 +43,32 @@ def releases(first: str, last: str = NEWEST_CHECKED) -> Releases:
     return Releases(minor_release(first), minor_release(last))  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """A forced interleaving of threads that shows one fix's hazard, declared by the fix.
+
+    The doctor (``_selftest.run_all``) runs every fix's scenarios with the fixes on; the hazard tests run each
+    in a fresh interpreter twice, with torchfix and with its fix disabled (TORCHFIX_DISABLE), and assert that
+    the hazard shows exactly where ``hazard`` says and only when disabled."""
+
+    function: str  # its function in torchfix._selftest: -> Result, or None where this torch lacks what it needs
+    hazard: Releases  # the releases where, with the fix disabled, it must report the hazard
+    args: tuple = ()
+    shows: str = ""  # what the report of a disabled run contains where the hazard shows
+    needs: str = ""  # what a torch on which ``function`` returns None lacks (the tests' reason to skip it)
+    # When the doctor runs it: 0 first, 1 after (without the fixes it can leave torch broken: a stuck flag,
+    # nn.Module patched), 2 and 3 last (overlapping exports; without its fix, 2 leaves the process's
+    # pre-dispatch mode stack dirty, which 3 would then trip over).
+    stage: int = 0
+    crashes: Releases | None = None  # where torch itself (C++ state) can crash in it, fix or not: not tested there
+    needs_fix: bool = False  # the doctor runs it only where its fix is applied (without it, torch can crash)
+
+    @property
+    def call(self) -> str:
+        """The call in ``_selftest``, as source: the tests run it in a fresh interpreter."""
+        return f"{self.function}({', '.join(map(repr, self.args))})"
+
+
 class Patch(Protocol):
     """What every patch does: source patches (``_patch``) and default changes (``_defaults``)."""
 
@@ -101,6 +127,7 @@ class Fix:
     # A hazard that costs time but breaks nothing: where the fix cannot apply, status() says so, without a
     # warning (or, in strict mode, an error) in every program that compiles.
     hazard_is_cost: bool = False
+    scenarios: tuple[Scenario, ...] = ()  # how the doctor and the tests show the hazard (see Scenario)
 
     def supports(self, torch_version: str) -> bool:
         return torch_version in self.versions

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
 from ._cache import cached, digest
-from ._fix import Fix, releases
+from ._fix import Fix, Scenario, releases
 from ._source import (
     Edit,
     PatchedFile,
@@ -333,6 +333,7 @@ def moved_globals_fix(
     optional: frozenset[str] = frozenset(),
     own: frozenset[str] = frozenset(),
     trigger: str = "torch",
+    scenarios: tuple[Scenario, ...] = (),
 ) -> Fix:
     """A fix that moves globals of one torch module to per-thread storage (:class:`ThreadLocalGlobals`; ``optional``
     and ``own`` are its), and does nothing else: from torch ``first`` (before it, the first of ``moved`` does not
@@ -347,6 +348,7 @@ def moved_globals_fix(
             ThreadLocalGlobals(module, module.replace(".", "/") + ".py", holder, moved, optional=optional, own=own)
         ],
         trigger=trigger,
+        scenarios=scenarios,
     )
 
 

@@ -1028,49 +1028,27 @@ def h7_cudagraph_step_counters(timeout: float = 60.0) -> Result | None:
 
 
 def run_all(timeout: float = 60.0) -> list[Result]:
-    """Every scenario this torch has. Without the fixes, H2 and H4 can leave the process broken (a stuck
-    flag, ``nn.Module`` left patched), and two exports at once do even with them: they run last, and a
-    scenario that raises because an earlier one broke the process is reported as a failure rather than
-    stopping the report."""
+    """Every scenario the fixes declare (``Fix.scenarios``) that this torch has, in the fixes' order, stage by
+    stage: without the fixes, some leave the process broken (a stuck flag, ``nn.Module`` left patched) and
+    overlapping exports leave torch's pre-dispatch mode stack dirty, so those run last. A scenario that raises
+    because an earlier one broke the process is reported as a failure rather than stopping the report."""
+    from . import fixes
     from ._fix import State
     from ._install import status
 
-    # Without the fix, threads compile the frame once each; torch 2.10 - 2.11 can crash doing that (SIGSEGV),
-    # which would end the report. So the cold start runs only where the fix is in.
     applied = {entry.name for entry in status() if entry.state is State.APPLIED}
-    cold_start = [("cold start", lambda: duplicate_compiles(3, timeout))] if "compile-cache-recheck" in applied else []
-    scenarios: list[tuple[str, Callable[[], Result | None]]] = [
-        ("H1 symbolic_trace", lambda: h1_nested_trace_error("symbolic_trace", timeout)),
-        ("H1 make_fx", lambda: h1_nested_trace_error("make_fx", timeout)),
-        ("H3", lambda: h3_is_compiling_elsewhere(timeout)),
-        ("stance", lambda: stance_elsewhere(timeout)),
-        ("guarded backends", lambda: guarded_backends_elsewhere(timeout)),
-        ("cached ops", lambda: cached_ops_elsewhere(timeout)),
-        ("node meta", lambda: node_meta_elsewhere(timeout)),
-        ("export load", lambda: export_load_elsewhere(timeout)),
-        ("export save", lambda: export_save_elsewhere(timeout)),
-        ("make_fx tracer", lambda: make_fx_tracer_elsewhere(timeout)),
-        ("fake impl ctx", lambda: fake_impl_ctx_elsewhere(timeout)),
-        ("H4 eager_module", lambda: h4_trace_patches_leak("eager_module", timeout)),
-        ("H7 trees", lambda: h7_cudagraph_trees_in_new_thread(timeout)),
-        ("H7 trees at thread end", lambda: h7_cudagraph_trees_at_thread_end(timeout)),
-        ("H7 step counters", lambda: h7_cudagraph_step_counters(timeout)),
-        *cold_start,
-        ("H2", lambda: h2_stuck_flag(timeout)),
-        ("H4 cond", lambda: h4_trace_patches_leak("cond", timeout)),
-        ("H4 symbolic_trace", lambda: h4_trace_patches_leak("symbolic_trace", timeout)),
-        # Last: without pre-dispatch-modes, an export held open while another thread works leaves torch's
-        # process-wide pre-dispatch mode stack dirty, and every eager torch.cond fails after that.
-        ("pre-dispatch modes", lambda: pre_dispatch_elsewhere(timeout)),
-        ("export builtins", lambda: export_builtins_after_overlap(timeout)),
-        ("export trace", lambda: export_trace_elsewhere(timeout)),
+    declared = [
+        scenario
+        for fix in fixes.ALL
+        for scenario in fix.scenarios
+        if not scenario.needs_fix or fix.name in applied  # without its fix, such a scenario can crash torch
     ]
     results = []
-    for name, scenario in scenarios:
+    for scenario in sorted(declared, key=lambda s: s.stage):  # stable: the fixes' order within a stage
         try:
-            result = scenario()
+            result = globals()[scenario.function](*scenario.args, timeout=timeout)
         except Exception as exc:
-            result = Result(name, True, f"raised {exc!r}")
+            result = Result(scenario.call, True, f"raised {exc!r}")
         if result is not None:
             results.append(result)
     return results

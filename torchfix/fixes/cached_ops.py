@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import importlib
 
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node
 
@@ -55,4 +55,9 @@ FIX = Fix(
     versions=releases("2.1"),
     probe=_probe,
     patches=lambda _torch_version: [_CopyOfCachedOps()],
+    scenarios=(
+        Scenario(
+            "cached_ops_elsewhere", releases("2.1"), needs="torch._ops.get_cached_ops (2.1+)", shows="Set changed size"
+        ),
+    ),
 )

@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
@@ -182,4 +182,9 @@ FIX = Fix(
     patches=lambda _torch_version: [_RecheckPatch()],
     trigger=MODULE,
     hazard_is_cost=True,
+    scenarios=(
+        # Below 2.6 (no fix), whether threads duplicate a compile varies (2.2 does; 2.0 runs the waiting threads
+        # uncompiled); 2.10 - 2.11 can crash (SIGSEGV) duplicating one.
+        Scenario("duplicate_compiles", releases("2.6"), args=(3,), needs_fix=True, crashes=releases("2.10", "2.11")),
+    ),
 )

@@ -19,7 +19,7 @@ that thread's stance (the default), not the stance of the thread whose backward 
 
 from __future__ import annotations
 
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch._dynamo.eval_frame"
@@ -35,4 +35,5 @@ FIX = Fix(
         ThreadLocalGlobals(MODULE, "torch/_dynamo/eval_frame.py", HOLDER, {"_stance": "stance"})
     ],
     trigger=MODULE,
+    scenarios=(Scenario("stance_elsewhere", releases("2.6"), needs="torch.compiler.set_stance (2.6+)"),),
 )

@@ -35,7 +35,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._patch import AttributeUses, ThreadLocalGlobals
 
 MODULE = "torch.compiler"
@@ -79,4 +79,5 @@ FIX = Fix(
     versions=releases("2.3"),
     probe=_probe,
     patches=_patches,
+    scenarios=(Scenario("h3_is_compiling_elsewhere", releases("2.13"), needs="torch.compiler.is_compiling (2.3+)"),),
 )

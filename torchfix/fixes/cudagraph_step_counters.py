@@ -24,7 +24,7 @@ import ast
 import importlib
 import threading
 
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, parse, replace_node, segment
 from ._thread_stash import stash_until_thread_end
@@ -148,4 +148,5 @@ FIX = Fix(
         _TreeCounters(),
     ],
     trigger=TREES,
+    scenarios=(Scenario("h7_cudagraph_step_counters", releases("2.1"), needs="CUDA graph trees (2.1+)"),),
 )

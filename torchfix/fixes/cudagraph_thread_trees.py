@@ -31,7 +31,7 @@ import importlib
 import threading
 from collections import defaultdict
 
-from .._fix import Fix, minor_release, releases
+from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 from ._thread_stash import stash_until_thread_end
@@ -143,4 +143,9 @@ FIX = Fix(
     probe=_probe,
     patches=_patches,
     trigger=MODULE,
+    scenarios=(
+        Scenario("h7_cudagraph_trees_in_new_thread", releases("2.1", "2.12"), needs="CUDA graph trees (2.1+)"),
+        # On 2.1 - 2.12 a thread has no trees of its own without the fix, which the scenario reports as the hazard.
+        Scenario("h7_cudagraph_trees_at_thread_end", releases("2.1"), needs="CUDA graph trees (2.1+)"),
+    ),
 )

@@ -22,7 +22,7 @@ import builtins
 import importlib
 import math
 
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
@@ -67,4 +67,13 @@ FIX = Fix(
     probe=_probe,
     patches=lambda _torch_version: [_SaveTheRealOnes()],
     trigger=MODULE,
+    scenarios=(
+        Scenario(
+            "export_builtins_after_overlap",
+            releases("2.8"),
+            needs="non-strict export patching builtins (2.8+)",
+            shows="partial (1 wrappers deep)",
+            stage=3,
+        ),
+    ),
 )

@@ -16,6 +16,7 @@ still cannot nest two deserializations (torch's check stays, per thread).
 
 from __future__ import annotations
 
+from .._fix import Scenario, releases
 from .._patch import moved_globals_fix
 
 MODULE = "torch._export.serde.serialize"
@@ -28,4 +29,5 @@ FIX = moved_globals_fix(
     "_deserializer_tls",
     {"_CURRENT_DESERIALIZER": "deserializer"},
     trigger=MODULE,
+    scenarios=(Scenario("export_load_elsewhere", releases("2.3"), needs="the export deserializer global (2.3+)"),),
 )

@@ -19,7 +19,7 @@ import ast
 import importlib
 import threading
 
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, parse, replace_node
 
@@ -73,4 +73,12 @@ FIX = Fix(
     probe=_probe,
     patches=lambda _torch_version: [_SaveAlone()],
     trigger=MODULE,
+    scenarios=(
+        Scenario(
+            "export_save_elsewhere",
+            releases("2.4"),  # the scenario's held save pickles the example inputs, which save writes from 2.4
+            needs="an exported program's example inputs pickled on save (2.4+)",
+            shows="Refusing to stomp on existing FakeTensor reducer",
+        ),
+    ),
 )

@@ -13,6 +13,7 @@ Both move to a ``threading.local`` (``_trace._export_trace_tls``) with :class:`T
 
 from __future__ import annotations
 
+from .._fix import Scenario, releases
 from .._patch import moved_globals_fix
 
 MODULE = "torch.export._trace"
@@ -27,4 +28,5 @@ FIX = moved_globals_fix(
     {"_EXPORT_FLAGS": "flags", "_EXPORT_MODULE_HIERARCHY": "module_hierarchy"},
     optional=frozenset({"_EXPORT_MODULE_HIERARCHY"}),
     trigger=MODULE,
+    scenarios=(Scenario("export_trace_elsewhere", releases("2.4"), needs="non-strict export", stage=3),),
 )

@@ -14,7 +14,7 @@ The global moves to a ``threading.local`` with :class:`ThreadLocalGlobals`.
 
 from __future__ import annotations
 
-from .._fix import Fix, minor_release, releases
+from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
 
 HOLDER = "_ctx_getter_tls"
@@ -46,4 +46,9 @@ FIX = Fix(
             {GETTER: "ctx_getter"},
         )
     ],
+    scenarios=(
+        Scenario(
+            "fake_impl_ctx_elsewhere", releases("2.4"), needs="torch.library.custom_op (2.4+)", shows="FakeImplCtx"
+        ),
+    ),
 )

@@ -22,7 +22,7 @@ the global).
 
 from __future__ import annotations
 
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch.fx.traceback"
@@ -51,4 +51,5 @@ FIX = Fix(
         )
     ],
     trigger=MODULE,
+    scenarios=(Scenario("node_meta_elsewhere", releases("2.0")),),
 )

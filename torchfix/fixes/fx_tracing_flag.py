@@ -21,7 +21,7 @@ import sys
 import types
 from collections.abc import Iterator
 
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._patch import AttributeUses, SourcePatch, ThreadLocalGlobals
 from .._source import Edit, ShapeError, definitions, insert_at, nested_function, parse
 
@@ -151,4 +151,11 @@ FIX = Fix(
         *(AttributeUses(module, relpath, MODULE, HOLDER, {FLAG: "flag"}) for module, relpath in _WRITERS),
         _CheckpointRecompute(),
     ],
+    scenarios=(
+        Scenario("h1_nested_trace_error", releases("2.0", "2.13"), args=("symbolic_trace",)),
+        Scenario("h1_nested_trace_error", releases("2.0", "2.13"), args=("make_fx",)),
+        Scenario(
+            "h2_stuck_flag", releases("2.2", "2.13"), needs="torch._dynamo's _set_compilation_env (2.2+)", stage=1
+        ),
+    ),
 )

@@ -20,7 +20,7 @@ import importlib
 import threading
 
 from .._defaults import _DefaultChange
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._source import ShapeError
 
 MODULE = "torch._dynamo.eval_frame"
@@ -101,4 +101,5 @@ FIX = Fix(
     probe=_probe,
     patches=lambda _torch_version: [_ShareCachedBackends()],
     trigger=MODULE,
+    scenarios=(Scenario("guarded_backends_elsewhere", releases("2.2", "2.2"), shows="KeyError"),),
 )

@@ -15,6 +15,7 @@ The global moves to a ``threading.local`` (``proxy_tensor._make_fx_tracer_tls``)
 
 from __future__ import annotations
 
+from .._fix import Scenario, releases
 from .._patch import moved_globals_fix
 
 FIX = moved_globals_fix(
@@ -25,4 +26,14 @@ FIX = moved_globals_fix(
     "torch.fx.experimental.proxy_tensor",
     "_make_fx_tracer_tls",
     {"_CURRENT_MAKE_FX_TRACER": "tracer"},
+    scenarios=(
+        Scenario(
+            "make_fx_tracer_elsewhere",
+            releases("2.4"),
+            needs="a make_fx tracer global (2.4+)",
+            shows="Cannot reenter",
+            crashes=releases("2.10", "2.11"),  # FakeTensorMode.__enter__ segfaults when threads make_fx at once
+            stage=1,  # without the fix, a finished tracer is left behind in the process
+        ),
+    ),
 )

@@ -15,6 +15,7 @@ stack only through ``mode_stack_state_for_pre_dispatch()``, so one moved global 
 
 from __future__ import annotations
 
+from .._fix import Scenario, releases
 from .._patch import moved_globals_fix
 
 STACK = "_mode_stack_state_for_pre_dispatch"
@@ -28,4 +29,13 @@ FIX = moved_globals_fix(
     "_pre_dispatch_tls",
     {STACK: "mode_stack"},
     own=frozenset({STACK}),
+    scenarios=(
+        Scenario(
+            "pre_dispatch_elsewhere",
+            releases("2.4"),  # torch.export.export pushes onto the stack from 2.4 (2.3: only make_fx pre_dispatch)
+            needs="a pre-dispatch mode stack and non-strict export",
+            shows="modes on the main thread's stack: 1;",
+            stage=2,
+        ),
+    ),
 )

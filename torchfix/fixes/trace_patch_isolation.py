@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import wrapt
 
-from .._fix import Fix, releases
+from .._fix import Fix, Scenario, releases
 from .._patch import ThreadLocalGlobals
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
@@ -276,4 +276,9 @@ FIX = Fix(
     versions=releases("2.0"),
     probe=_probe,
     patches=lambda _torch_version: [_IsolationPatch()],
+    scenarios=(
+        Scenario("h4_trace_patches_leak", releases("2.0"), args=("eager_module",)),
+        Scenario("h4_trace_patches_leak", releases("2.0"), args=("cond",), needs="torch.cond", stage=1),
+        Scenario("h4_trace_patches_leak", releases("2.0"), args=("symbolic_trace",), stage=1),
+    ),
 )
