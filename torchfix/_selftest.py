@@ -29,10 +29,16 @@ def _add_one(x):
     return x + 1
 
 
+def _fresh_add_one() -> Callable:
+    """``_add_one`` with a code object of its own: Dynamo keeps compiled code on the code object, so a scenario
+    compiling this meets nothing an earlier scenario (or an earlier run of itself) compiled."""
+    return types.FunctionType(_add_one.__code__.replace(), globals(), "_add_one")
+
+
 def _compiled_add_one() -> Callable:
     import torch
 
-    compiled = torch.compile(_add_one, backend="eager")
+    compiled = torch.compile(_fresh_add_one(), backend="eager")
     compiled(torch.ones(2))  # compiled before any trace starts (Dynamo captures its predicate here)
     return compiled
 
@@ -890,8 +896,7 @@ def duplicate_compiles(
     def other_backend(gm, example_inputs):  # a backend that is not held_backend (Dynamo compares with ==)
         return held_backend(gm, example_inputs)
 
-    # A code object of its own: Dynamo's cache (and its recompile limit) is per code object.
-    fresh = types.FunctionType(_add_one.__code__.replace(), globals(), "_add_one")
+    fresh = _fresh_add_one()  # its own cache and recompile limit
     compiled = [torch.compile(fresh, backend=held_backend), torch.compile(fresh, backend=other_backend)]
 
     def call(size: int, backend: int) -> None:

@@ -14,12 +14,50 @@ Upstream added ``_remove_obj_from_tls`` after a deadlock of the same kind (pytor
 ``threading.local`` value. Python drops those at the thread's end while the thread still runs Python,
 and the releaser takes its keys out there: with ``_remove_obj_from_tls`` (torch 2.13+); before, by
 stashing None over them, so that the objects go and only a reference to None is left to the C++ exit.
+
+Up to torch 2.12 the stash keeps the object's pointer without taking a reference (and drops one when the
+entry is replaced or destroyed): an object only the stash still held was freed while the stash handed it
+out (seen: after ``torchfix.uninstall()`` and ``install()``, the next ``cudagraph_mark_step_begin()`` read
+freed memory, a segfault on 2.10 and an unrelated object on 2.2). ``_stash`` gives the stash the reference
+it will drop, where a probe shows that it takes none.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import sys
 import threading
+
+PROBE = "torchfix_stash_probe"
+
+
+@functools.cache
+def _stash_takes_a_reference() -> bool:
+    """Whether ``torch._C._stash_obj_in_tls`` takes a reference to what it keeps (torch 2.13+), measured once."""
+    import torch
+
+    probe: list = []  # a new object, of which this frame holds the only reference
+    before = sys.getrefcount(probe)
+    torch._C._stash_obj_in_tls(PROBE, probe)
+    takes = sys.getrefcount(probe) > before
+    if not takes:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(probe))  # the one the stash drops when the entry goes
+    remove = getattr(torch._C, "_remove_obj_from_tls", None)
+    if remove is not None:
+        remove(PROBE)
+    else:
+        _stash(PROBE, None, takes)
+    return takes
+
+
+def _stash(key: str, obj: object, takes_a_reference: bool | None = None) -> None:
+    """``torch._C._stash_obj_in_tls(key, obj)``, with the stash owning a reference to ``obj`` on every release."""
+    import torch
+
+    if not (_stash_takes_a_reference() if takes_a_reference is None else takes_a_reference):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    torch._C._stash_obj_in_tls(key, obj)
 
 
 class _Releaser:
@@ -40,7 +78,7 @@ class _Releaser:
             if remove is not None:
                 remove(key)
             else:
-                torch._C._stash_obj_in_tls(key, None)
+                _stash(key, None)
 
 
 class _ThisThread(threading.local):
@@ -52,9 +90,7 @@ _this_thread = _ThisThread()
 
 def stash_until_thread_end(key: str, obj: object) -> None:
     """``torch._C._stash_obj_in_tls(key, obj)``, taken out again when the calling thread ends."""
-    import torch
-
-    torch._C._stash_obj_in_tls(key, obj)
+    _stash(key, obj)
     releaser = _this_thread.releaser
     if releaser is None:
         releaser = _this_thread.releaser = _Releaser()

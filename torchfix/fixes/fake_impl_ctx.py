@@ -48,7 +48,13 @@ FIX = Fix(
     ],
     scenarios=(
         Scenario(
-            "fake_impl_ctx_elsewhere", releases("2.4"), needs="torch.library.custom_op (2.4+)", shows="FakeImplCtx"
+            "fake_impl_ctx_elsewhere",
+            releases("2.4"),
+            needs="torch.library.custom_op (2.4+)",
+            shows="FakeImplCtx",
+            # FakeTensorMode.__enter__ segfaults there when threads run fake modes at once (2 of 2 runs of it
+            # after uninstall(), on 2.10), as it does for make_fx.
+            crashes=releases("2.10", "2.11"),
         ),
     ),
 )
