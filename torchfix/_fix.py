@@ -60,7 +60,7 @@ class Scenario:
     # nn.Module patched), 2 and 3 last (overlapping exports; without its fix, 2 leaves the process's
     # pre-dispatch mode stack dirty, which 3 would then trip over).
     stage: int = 0
-    crashes: Releases | None = None  # where torch itself (C++ state) can crash in it, fix or not: not tested there
+    crashes: Releases | None = None  # where torch itself (C++ state) can crash in it: the generated tests skip it
     needs_fix: bool = False  # the doctor runs it only where its fix is applied (without it, torch can crash)
 
     @property
