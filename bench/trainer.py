@@ -89,7 +89,7 @@ STREAMS_SUFFIX = {"per-thread": "", "shared": "/1s"}
 # (steps, global batch, sequence length, trainer flags) of the real width, per device kind
 REAL_SIZES = {
     "cuda": (40, 12, 1024, ("--drafter-layers=5", "--block-size=16", "--num-anchors=64")),
-    "cpu": (12, 4, 256, ("--drafter-layers=2", "--block-size=8", "--num-anchors=8")),
+    "cpu": (12, 6, 256, ("--drafter-layers=2", "--block-size=8", "--num-anchors=8")),  # batch: 1, 2 or 3 replicas
 }
 
 
@@ -241,9 +241,10 @@ def table(result: dict) -> str:
             continue
         skips = row.get("cudagraph_skips", 0)
         mfu = f", MFU {row['mfu']:.1%}" if row.get("mfu") is not None else ""
+        cuda = f", peak CUDA {row['cuda_peak_gib']:.2f} GiB" if result["device"].startswith("cuda") else ""
         lines.append(
             f"{label}: {row['tokens_per_s'] or 0:>9,.0f} tokens/s (x{row.get('vs_threads', 1.0):.2f} threads){mfu}, "
-            f"all first steps {row['all_first_steps_s']:.1f} s, peak CUDA {row['cuda_peak_gib']:.2f} GiB, "
+            f"all first steps {row['all_first_steps_s']:.1f} s{cuda}, "
             f"host RSS {row['host_rss_gib']:.2f} GiB, {row['unique_graphs']} graphs"
             f"{', EAGER FALLBACK' if row['eager_fallback'] else ''}"
             f"{f', CUDA GRAPHS SKIPPED {skips} TIMES' if skips else ''}"
