@@ -25,18 +25,13 @@ from collections.abc import Callable, Iterable
 import torch
 
 
-def worker_stream(device: torch.device, per_thread: bool) -> torch.cuda.Stream | None:
-    """A new stream for one worker thread on ``device`` (None: keep the default stream), made in the main thread
-    and ordered after the work that thread has queued on the device so far."""
-    if not per_thread or device.type != "cuda":
-        return None
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    return stream
-
-
-def on_stream(stream: torch.cuda.Stream | None, fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn``, to be run in a worker thread with ``stream`` as its current stream (None: as it is)."""
+def on_own_stream(device: torch.device, per_thread: bool, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, to be run in a worker thread on a new stream of ``device`` (with ``per_thread``, on CUDA; else on the
+    default stream). The stream is made here, in the main thread, and ordered after the work queued so far."""
+    stream = None
+    if per_thread and device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
 
     def run() -> None:
         with torch.cuda.stream(stream):

@@ -101,11 +101,10 @@ def _trunk(base: nn.Module, layers: int) -> nn.Module:
     features need no later layer (in the 839 M benchmark target, 2 of 16). Its final norm is dropped too, since
     transformers reports the last hidden state after that norm and the last kept layer may be tapped. A model
     without ``layers`` and ``norm`` runs whole."""
-    if not isinstance(getattr(base, "layers", None), nn.ModuleList) or not isinstance(
-        getattr(base, "norm", None), nn.Module
-    ):
+    kept = getattr(base, "layers", None)
+    if not isinstance(kept, nn.ModuleList) or not isinstance(getattr(base, "norm", None), nn.Module):
         return base
-    if layers >= len(base.layers):
+    if layers >= len(kept):
         return base
     # transformers records hidden states by hooks it puts on the layers at a model's first forward, marking that
     # model hooked: a copy made before would hook the shared layers again, and every model using them would then

@@ -416,10 +416,7 @@ class Trainer:
         for i, target in enumerate(self.targets):
             steps = range(start + i, end, len(self.targets))
             work = partial(target_worker, job, partial(self.target_step, target), steps, turnstile, inboxes, fault)
-            job.start(
-                f"target-{i} ({target.device})",
-                streams.on_stream(streams.worker_stream(target.device, per_thread), work),
-            )
+            job.start(f"target-{i} ({target.device})", streams.on_own_stream(target.device, per_thread, work))
         last = len(self.replicas) - 1
         for index, device in enumerate(self.drafter_devices):
             work = partial(
@@ -432,7 +429,7 @@ class Trainer:
                 after_step=self.after_step if index == 0 else None,
                 fault=fault if index == last else "",  # on the last drafter thread
             )
-            job.start(f"drafter-{index} ({device})", streams.on_stream(streams.worker_stream(device, per_thread), work))
+            job.start(f"drafter-{index} ({device})", streams.on_own_stream(device, per_thread, work))
         with Watchdog(job, cfg.watchdog_timeout), stop_on_ctrl_c(job):
             try:
                 run = self._follow(job, inboxes)

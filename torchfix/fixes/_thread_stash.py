@@ -41,21 +41,18 @@ def _stash_takes_a_reference() -> bool:
     before = sys.getrefcount(probe)
     torch._C._stash_obj_in_tls(PROBE, probe)
     takes = sys.getrefcount(probe) > before
-    if not takes:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(probe))  # the one the stash drops when the entry goes
-    remove = getattr(torch._C, "_remove_obj_from_tls", None)
-    if remove is not None:
-        remove(PROBE)
-    else:
-        _stash(PROBE, None, takes)
+    if not takes:  # the references the stash drops: the probe's as None replaces it, None's when that entry goes
+        for obj in (probe, None):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    torch._C._stash_obj_in_tls(PROBE, None)
     return takes
 
 
-def _stash(key: str, obj: object, takes_a_reference: bool | None = None) -> None:
+def _stash(key: str, obj: object) -> None:
     """``torch._C._stash_obj_in_tls(key, obj)``, with the stash owning a reference to ``obj`` on every release."""
     import torch
 
-    if not (_stash_takes_a_reference() if takes_a_reference is None else takes_a_reference):
+    if not _stash_takes_a_reference():
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     torch._C._stash_obj_in_tls(key, obj)
 
