@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--counts", default="1,2,3", help="trainer: drafter replica counts to run")
     parser.add_argument("--runs", type=int, default=3, help="runs per configuration of cudagraphs")
     parser.add_argument("--configs", default="", help="cudagraphs: indices of the configurations to run (0,1,...)")
+    parser.add_argument("--parallel", type=int, default=1, help="cudagraphs: runs at once, each its own process")
     parser.add_argument("--pairs", type=int, default=5, help="cost: ABBA pairs of runs with torchfix on and off")
     parser.add_argument("--fixes", action="store_true", help="cost: also one run with each fix disabled in turn")
     args = parser.parse_args(argv)
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "trainer":
             options |= {"width": args.width, "counts": tuple(int(n) for n in args.counts.split(","))}
         if name == "cudagraphs":
-            options = {"runs": args.runs, "configs": args.configs}
+            options = {"runs": args.runs, "configs": args.configs, "parallel": args.parallel}
         if name == "cost":
             options = {"device": args.device, "pairs": args.pairs, "fixes": args.fixes}
         result = BENCHMARKS[name].run(quick=args.quick, **options)

@@ -4,7 +4,9 @@ Each run is a fresh interpreter with fresh Inductor/Triton cache folders: 3 thre
 attention block (or MLP) compiled with ``mode="reduce-overhead"``, every step checked against an eager twin. The
 configurations turn the cudagraph fixes off one at a time (TORCHFIX_DISABLE), with and without
 ``cudagraph_mark_step_begin()`` each step, so each row says which failure a part of the fix removes.
-CUDA only; ``--quick`` runs one configuration once, a smoke test.
+CUDA only; ``--quick`` runs one configuration once, a smoke test. ``--parallel N`` keeps N runs going at
+once (each its own process; one H200 has room for many), the longest configurations first, and prints each
+run's outcome to stderr as it ends, so that a run cut short by a time limit still leaves the ones before.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "cuda_graph_threads.py"
@@ -64,28 +67,45 @@ def one(disable: str, mark_step: bool, steps: int, generations: int, mlp: bool, 
     return {"passed": proc.returncode == 0, "outcome": outcome, "wall_s": report["wall_s"]}
 
 
-def run(quick: bool = False, runs: int = 3, configs: str = "") -> dict[str, object]:
-    """``configs``: indices into CONFIGS, comma-separated (default: all)."""
+def run(quick: bool = False, runs: int = 3, configs: str = "", parallel: int = 1) -> dict[str, object]:
+    """``configs``: indices into CONFIGS, comma-separated (default: all); ``parallel``: runs at once."""
     import torch
 
     if not torch.cuda.is_available():
         return {"torch": str(torch.__version__), "rows": [], "skipped": "needs a CUDA device"}
     chosen = [CONFIGS[int(i)] for i in configs.split(",")] if configs else CONFIGS
     chosen, runs, steps = (chosen[:1], 1, 5) if quick else (chosen, runs, 40)
-    rows = []
-    for label, disable, mark_step, generations, mlp in chosen:
+
+    def job(config: tuple) -> dict:
+        label, disable, mark_step, generations, mlp = config
         # Without torchfix the threads deadlock (H5): one short run says so.
         timeout = 120.0 if disable == "1" else 240.0
-        per_thread = steps if generations == 1 else 8
-        results = [one(disable, mark_step, per_thread, generations, mlp, timeout) for _ in range(runs)]
-        rows.append({"config": label, "passed": sum(r["passed"] for r in results), "runs": results})
-    return {"torch": str(torch.__version__), "device": torch.cuda.get_device_name(), "steps": steps, "rows": rows}
+        result = one(disable, mark_step, steps if generations == 1 else 8, generations, mlp, timeout)
+        print(f"{label}: {result['outcome']}", file=sys.stderr, flush=True)
+        return result
+
+    # The deadlocking and the many-generation configurations take longest: started first.
+    order = sorted(range(len(chosen)), key=lambda i: (chosen[i][1] != "1", -chosen[i][3]))
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        futures = {i: [pool.submit(job, chosen[i]) for _ in range(runs)] for i in order}
+    rows = []
+    for i, config in enumerate(chosen):
+        results = [future.result() for future in futures[i]]
+        rows.append({"config": config[0], "passed": sum(r["passed"] for r in results), "runs": results})
+    return {
+        "torch": str(torch.__version__),
+        "device": torch.cuda.get_device_name(),
+        "steps": steps,
+        "parallel": parallel,
+        "rows": rows,
+    }
 
 
 def table(result: dict) -> str:
     if result.get("skipped"):
         return f"torch {result['torch']}: skipped ({result['skipped']})"
-    lines = [f"torch {result['torch']}, {result['device']}, 3 threads, {result['steps']} steps, cold caches"]
+    at_once = f", {result['parallel']} runs at once" if result.get("parallel", 1) > 1 else ""
+    lines = [f"torch {result['torch']}, {result['device']}, 3 threads, {result['steps']} steps, cold caches{at_once}"]
     for row in result["rows"]:
         lines.append(f"{row['config']}: {row['passed']} of {len(row['runs'])} runs passed")
         lines += [f"    {r['outcome']}" for r in row["runs"]]
