@@ -53,7 +53,11 @@ def one(disable: str, mark_step: bool, steps: int, generations: int, mlp: bool, 
     lines = proc.stdout.strip().splitlines()
     if not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"passed": False, "outcome": f"died (exit {proc.returncode}): {tail[:200]}"}
+        return {
+            "passed": False,
+            "outcome": f"died (exit {proc.returncode}): {tail[:200]}",
+            "stderr_tail": proc.stderr[-6000:],
+        }
     report = json.loads(lines[-1])
     if report["hung"]:
         outcome = f"hung: {', '.join(report['hung'])}"
@@ -64,7 +68,9 @@ def one(disable: str, mark_step: bool, steps: int, generations: int, mlp: bool, 
     else:
         worst = max(report["max_diff"].values())
         outcome = f"all threads {steps * generations} steps equal to eager (max diff {worst:.2g})"
-    return {"passed": proc.returncode == 0, "outcome": outcome, "wall_s": report["wall_s"]}
+    result = {"passed": proc.returncode == 0, "outcome": outcome, "wall_s": report["wall_s"]}
+    # A failed run's tracebacks (or, for a crash, every thread's stack), for the JSON: what to look into.
+    return result if result["passed"] else result | {"stderr_tail": proc.stderr[-6000:]}
 
 
 def run(quick: bool = False, runs: int = 3, configs: str = "", parallel: int = 1) -> dict[str, object]:

@@ -11,9 +11,10 @@ exception": torch 2.13, CPU, 3 of 78 runs of a process whose one thread made its
 Upstream added ``_remove_obj_from_tls`` after a deadlock of the same kind (pytorch/pytorch#182083).
 
 ``stash_until_thread_end`` stashes as torch does and hands the key to the thread's releaser, a
-``threading.local`` value. Python drops those at the thread's end while the thread still runs Python,
-and the releaser takes its keys out there: with ``_remove_obj_from_tls`` (torch 2.13+); before, by
-stashing None over them, so that the objects go and only a reference to None is left to the C++ exit.
+``threading.local`` value (``adopt_until_thread_end`` hands over an entry torch stashed itself). Python drops
+those at the thread's end while the thread still runs Python, and the releaser takes its keys out there: with
+``_remove_obj_from_tls`` (torch 2.13+); before, by stashing None over them, so that the objects go and only a
+reference to None is left to the C++ exit.
 
 Up to torch 2.12 the stash keeps the object's pointer without taking a reference (and drops one when the
 entry is replaced or destroyed): an object only the stash still held was freed while the stash handed it
@@ -85,11 +86,35 @@ class _ThisThread(threading.local):
 _this_thread = _ThisThread()
 
 
-def stash_until_thread_end(key: str, obj: object) -> None:
-    """``torch._C._stash_obj_in_tls(key, obj)``, taken out again when the calling thread ends."""
-    _stash(key, obj)
+def _release_at_thread_end(key: str) -> None:
     releaser = _this_thread.releaser
     if releaser is None:
         releaser = _this_thread.releaser = _Releaser()
     if key not in releaser.keys:
         releaser.keys.append(key)
+
+
+def stash_until_thread_end(key: str, obj: object) -> None:
+    """``torch._C._stash_obj_in_tls(key, obj)``, taken out again when the calling thread ends."""
+    _stash(key, obj)
+    _release_at_thread_end(key)
+
+
+def adopt_until_thread_end(key: str) -> None:
+    """The entry ``key`` that torch itself stashed in the calling thread, taken out again when the thread ends,
+    as if ``stash_until_thread_end`` had put it there.
+
+    ``torch._inductor.cudagraph_trees`` stashes the importing thread's tree containers at import, and the
+    importing thread is whichever thread compiles the first ``mode="reduce-overhead"`` graph: often a worker
+    that ends long before the process. Up to torch 2.12 that entry holds no reference of its own, so when the
+    thread ends Python frees the containers and the entry's C++ destructor, at the OS thread's exit, drops a
+    reference to freed memory; here it gets the reference it will drop. Entries already released at the
+    thread's end, or absent, are left as they are."""
+    import torch
+
+    releaser = _this_thread.releaser
+    if (releaser is not None and key in releaser.keys) or not torch._C._is_key_in_tls(key):
+        return
+    if not _stash_takes_a_reference():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(torch._C._get_obj_in_tls(key)))
+    _release_at_thread_end(key)

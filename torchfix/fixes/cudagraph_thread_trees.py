@@ -29,17 +29,19 @@ from __future__ import annotations
 import ast
 import importlib
 import threading
+import types
 from collections import defaultdict
 
 from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import SourcePatch
 from .._source import Edit, ShapeError, definitions, replace_node, segment
-from ._thread_stash import stash_until_thread_end
+from ._thread_stash import adopt_until_thread_end, stash_until_thread_end
 
 MODULE = "torch._inductor.cudagraph_trees"
 LOCK = "graph_capture_lock"
 INIT = "_initialize_tls"
 STASH = "_stash_until_thread_end"
+STASHED = ("tree_manager_containers", "tree_manager_locks")  # a thread's keys in the C++ thread-local stash
 
 
 def _initialize_tls(local: threading.local) -> None:
@@ -48,13 +50,26 @@ def _initialize_tls(local: threading.local) -> None:
     local.tree_manager_containers = {}
     local.tree_manager_locks = defaultdict(threading.Lock)
     # The C++ copy is what autograd's device threads see while they run this thread's backward.
-    stash_until_thread_end("tree_manager_containers", local.tree_manager_containers)
-    stash_until_thread_end("tree_manager_locks", local.tree_manager_locks)
+    for key in STASHED:
+        stash_until_thread_end(key, getattr(local, key))
 
 
-class _TreesPerThread(SourcePatch):
+class _TreesPatch(SourcePatch):
+    """A patch of ``cudagraph_trees`` that also takes over the entries torch stashed at import."""
+
     def __init__(self) -> None:
         super().__init__(MODULE, "torch/_inductor/cudagraph_trees.py")
+
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
+        super()._install_state(module, source)
+        # With torchfix imported first, the fix applies in the thread that imports cudagraph_trees, right after
+        # the module stashed that thread's containers: they are released at its end like every other thread's.
+        for key in STASHED:
+            adopt_until_thread_end(key)
+
+
+class _TreesPerThread(_TreesPatch):
+    """torch 2.1 - 2.12: a thread's containers made on first use, and ``graph_capture_lock``."""
 
     def describe(self) -> str:
         return super().describe() + f"; adds {INIT} and {LOCK} (torch 2.13's)"
@@ -100,11 +115,8 @@ class _TreesPerThread(SourcePatch):
         return {LOCK: threading.Lock(), INIT: _initialize_tls}
 
 
-class _ReleaseAtThreadEnd(SourcePatch):
+class _ReleaseAtThreadEnd(_TreesPatch):
     """torch 2.13+: upstream's ``_initialize_tls`` stashes through ``_stash_until_thread_end``."""
-
-    def __init__(self) -> None:
-        super().__init__(MODULE, "torch/_inductor/cudagraph_trees.py")
 
     def describe(self) -> str:
         return super().describe() + f"; {INIT} stashes until the thread ends"
@@ -147,5 +159,11 @@ FIX = Fix(
         Scenario("h7_cudagraph_trees_in_new_thread", releases("2.1", "2.12"), needs="CUDA graph trees (2.1+)"),
         # On 2.1 - 2.12 a thread has no trees of its own without the fix, which the scenario reports as the hazard.
         Scenario("h7_cudagraph_trees_at_thread_end", releases("2.1"), needs="CUDA graph trees (2.1+)"),
+        Scenario(
+            "h7_cudagraph_trees_importer_ends",
+            releases("2.1"),
+            shows="still in the C++ thread-local stash",
+            needs="CUDA graph trees (2.1+), not yet imported",
+        ),
     ),
 )
