@@ -143,11 +143,20 @@ def one(
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if proc.returncode == 0 else []
     summary = next((r for r in records if r["type"] == "summary"), None)
     if summary is None:
-        return row | {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1], "returncode": proc.returncode}
+        row |= {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1], "returncode": proc.returncode}
+    else:
+        row |= _figures(records, summary)
+    # Each run as it ends: a benchmark cut short by a time limit still leaves the runs before it.
+    print(f"bench run: TORCHFIX_DISABLE={disable!r} {json.dumps(row)}", file=sys.stderr, flush=True)
+    return row
+
+
+def _figures(records: list[dict], summary: dict) -> dict:
+    """A finished run's figures, from its metrics.jsonl records."""
     memory = [r for r in records if r["type"] == "memory"]
     cuda_peak = sum(v for r in memory for k, v in r.items() if k.startswith("cuda"))
     dynamo = [r for r in records if r["type"] == "dynamo"]
-    return row | {
+    return {
         "tokens_per_s": summary["tokens_per_s"],
         "mfu": summary.get("mfu"),
         "all_first_steps_s": max(r["seconds"] for r in records if r["type"] == "first_step"),
