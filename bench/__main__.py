@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=1, help="cudagraphs: runs at once, each its own process")
     parser.add_argument("--pairs", type=int, default=5, help="cost: ABBA pairs of runs with torchfix on and off")
     parser.add_argument("--fixes", action="store_true", help="cost: also one run with each fix disabled in turn")
+    parser.add_argument("--profile", action="store_true", help="cost: also profile a few steps each way, op by op")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "cudagraphs":
             options = {"runs": args.runs, "configs": args.configs, "parallel": args.parallel}
         if name == "cost":
-            options = {"device": args.device, "pairs": args.pairs, "fixes": args.fixes}
+            options = {"device": args.device, "pairs": args.pairs, "fixes": args.fixes, "profile": args.profile}
         result = BENCHMARKS[name].run(quick=args.quick, **options)
         print(f"== {name}\n{BENCHMARKS[name].table(result)}")
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))

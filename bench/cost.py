@@ -6,7 +6,9 @@ one on the CPU), a 5-layer drafter with block 16 and 64 anchors over 1024-token 
 on the CPU). Runs alternate in ABBA order (on, off, off, on, ...) so that drift of the machine falls on both
 sides; each pair gives one on/off ratio of tokens/s, and the result is the ratio of the medians with the
 pairs' spread. ``--fixes`` adds one run per fix with only that fix disabled, against the median of the
-runs with all of them on.
+runs with all of them on. ``--profile`` adds one run each way with ``--profile-steps`` over a few steps in the
+middle (torch.profiler, every thread, CUDA kernels on GPU) and compares them op by op, per step: where the
+difference is.
 
 All runs share one Inductor/Triton cache, filled by a first run that is not counted: what is measured is
 the steady step, not compilation, and every counted run then compiles the same way.
@@ -14,6 +16,7 @@ the steady step, not compilation, and every counted run then compiles the same w
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -22,7 +25,9 @@ from . import real_target
 from .trainer import REAL_SIZES, one
 
 
-def run(quick: bool = False, device: str = "cpu", pairs: int = 5, fixes: bool = False) -> dict[str, object]:
+def run(
+    quick: bool = False, device: str = "cpu", pairs: int = 5, fixes: bool = False, profile: bool = False
+) -> dict[str, object]:
     import torch
 
     import torchfix
@@ -41,8 +46,9 @@ def run(quick: bool = False, device: str = "cpu", pairs: int = 5, fixes: bool = 
         *flags,
     )
 
-    def measure(disable: str) -> dict:
-        row = one("threads", 1, device, steps, batch, seq_len, False, extra=extra, compile_caches=work, disable=disable)
+    def measure(disable: str, *more: str) -> dict:
+        flags = (*extra, *more)
+        row = one("threads", 1, device, steps, batch, seq_len, False, extra=flags, compile_caches=work, disable=disable)
         return row | {"disabled": disable}
 
     warmup = measure("")  # fills the compile caches; not counted
@@ -64,6 +70,10 @@ def run(quick: bool = False, device: str = "cpu", pairs: int = 5, fixes: bool = 
         "ratio_of_medians": statistics.median(on) / statistics.median(off) if off and statistics.median(off) else None,
         "pair_ratios": pair_ratios,
     }
+    if profile:
+        window = f"--profile-steps={steps // 2}:{min(steps, steps // 2 + 5)}"
+        profiled = {label: measure(disable, window) for label, disable in (("on", ""), ("off", "1"))}
+        result["profile"] = profile_diff(*(_profile_of(profiled[label]) for label in ("on", "off")))
     if fixes:
         base = statistics.median(on)
         result["one_fix_disabled"] = [
@@ -74,6 +84,42 @@ def run(quick: bool = False, device: str = "cpu", pairs: int = 5, fixes: bool = 
         for row in result["one_fix_disabled"]:
             row["vs_all_on"] = (row.get("tokens_per_s") or 0.0) / base if base else None
     return result
+
+
+def _profile_of(row: dict) -> dict:
+    path = Path(row.get("out_dir", "")) / "profile" / "ops.json"
+    return json.loads(path.read_text()) if path.is_file() else {"steps": 1, "ops": []}
+
+
+def profile_diff(on: dict, off: dict, top: int = 12) -> dict[str, object]:
+    """Two profiles (``dflash_train/profiling.py``'s ops.json, with torchfix and without) per step: the totals,
+    and the ops whose calls differ or whose self time differs most."""
+    per_step = {
+        label: {
+            o["op"]: (o["calls"] / p["steps"], o["self_cpu_us"] / p["steps"], o["self_device_us"] / p["steps"])
+            for o in p["ops"]
+        }
+        for label, p in (("on", on), ("off", off))
+    }
+    none = (0.0, 0.0, 0.0)
+    device = any(v[2] for ops in per_step.values() for v in ops.values())
+    timed = 2 if device else 1  # compare device time where there is any, else CPU time
+    rows = [
+        {
+            "op": op,
+            "calls": [per_step["on"].get(op, none)[0], per_step["off"].get(op, none)[0]],
+            "self_us": [per_step["on"].get(op, none)[timed], per_step["off"].get(op, none)[timed]],
+        }
+        for op in sorted({*per_step["on"], *per_step["off"]})
+    ]
+    differ = [r for r in rows if r["calls"][0] != r["calls"][1]]
+    largest = sorted(rows, key=lambda r: -abs(r["self_us"][0] - r["self_us"][1]))[:top]
+    return {
+        "time": "self device time" if device else "self CPU time",
+        "total_us_per_step": [sum(v[timed] for v in per_step[label].values()) for label in ("on", "off")],
+        "calls_differ": differ,
+        "largest_time_differences": largest,
+    }
 
 
 def table(result: dict) -> str:
@@ -92,6 +138,20 @@ def table(result: dict) -> str:
             f"with / without: {result['ratio_of_medians']:.4f} (medians); ABBA pairs {min(spread):.4f} - "
             f"{max(spread):.4f}"
         )
+    if "profile" in result:
+        diff = result["profile"]
+        with_, without = (t / 1000 for t in diff["total_us_per_step"])
+        lines.append(f"profile, {diff['time']} per step: {with_:.2f} ms with torchfix, {without:.2f} ms without")
+        for title, rows in (
+            ("calls differ", diff["calls_differ"]),
+            ("largest time differences", diff["largest_time_differences"]),
+        ):
+            lines.append(f"  {title}:" + ("" if rows else " none"))
+            lines += [
+                f"    {r['op'][:60]:<60} calls {r['calls'][0]:>8.1f} / {r['calls'][1]:<8.1f} "
+                f"{r['self_us'][0] / 1000:>8.3f} / {r['self_us'][1] / 1000:.3f} ms"
+                for r in rows
+            ]
     for row in result.get("one_fix_disabled", []):
         lines.append(
             f"without {row['disabled']}: {row.get('tokens_per_s') or 0:,.0f} tokens/s (x{row['vs_all_on']:.4f})"

@@ -139,6 +139,7 @@ def one(
         ]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     row: dict[str, object] = {"mode": label, "replicas": replicas, "compile_mode": compile_mode, "streams": streams}
+    row["out_dir"] = str(out)  # the run's outputs (metrics.jsonl, a profile), kept
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if proc.returncode == 0 else []
     summary = next((r for r in records if r["type"] == "summary"), None)

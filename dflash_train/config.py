@@ -18,6 +18,7 @@ from typing import Any
 
 # --fault: (raise|hang)@(target|drafter):STEP
 FAULT_SPEC = re.compile(r"^(raise|hang)@(target|drafter):(\d+)$")
+PROFILE_SPEC = re.compile(r"^(\d+):(\d+)$")
 
 
 class ConfigError(Exception):
@@ -185,6 +186,13 @@ class RunSection:
         "under torchrun: every rank uses the devices as named (no per-local-rank shift), and the ranks' all-reduce "
         "goes over gloo, since NCCL cannot put two ranks on one GPU (one process per replica on a shared GPU)",
     )
+    profile_steps: str = _opt(
+        "",
+        "profile the job with torch.profiler (every thread's ops, and the CUDA kernels on GPU) from the end of step "
+        "FIRST to the end of step LAST, on rank 0; writes <out-dir>/profile/ (trace.json, ops.txt, ops.json); '': "
+        "do not",
+        metavar="FIRST:LAST",
+    )
     progress: bool = _opt(True, "show a progress bar")
     fault: str = _opt(
         "",
@@ -253,6 +261,10 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
         check_compile_mode(cfg)
         if cfg.cuda_streams not in CUDA_STREAMS:
             raise ConfigError(f"--cuda-streams {cfg.cuda_streams!r}: use {' or '.join(map(repr, CUDA_STREAMS))}")
+        if cfg.profile_steps and cfg.profile_window() is None:
+            raise ConfigError(
+                f"--profile-steps {cfg.profile_steps!r}: use FIRST:LAST with 1 <= FIRST < LAST <= --steps ({cfg.steps})"
+            )
         if cfg.fault and not FAULT_SPEC.match(cfg.fault):
             raise ConfigError(f"--fault {cfg.fault!r}: use 'raise@drafter:STEP', 'hang@target:STEP', ...")
         replicas = Ranks.from_env().world_size * cfg.drafter_thread_count()
@@ -262,6 +274,13 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
                 f"({replicas} = ranks x devices x --drafter-threads-per-device)"
             )
         return cfg
+
+    def profile_window(self) -> tuple[int, int] | None:
+        """``--profile-steps FIRST:LAST`` as (FIRST, LAST); None when it is off or not such a window."""
+        match = PROFILE_SPEC.match(self.profile_steps.strip())
+        if match is None or not 1 <= int(match[1]) < int(match[2]) <= self.steps:
+            return None
+        return int(match[1]), int(match[2])
 
     def drafter_thread_count(self) -> int:
         return len(parse_devices(self.drafter_devices, "--drafter-devices")) * self.drafter_threads_per_device

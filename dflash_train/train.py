@@ -34,6 +34,7 @@ from .evaluate import acceptance_length, show_blocks
 from .export import write_export
 from .flops import peak_flops, step_flops
 from .model import Drafter, drafter_config, make_replicas
+from .profiling import StepProfiler
 from .report import MetricsLog, plot_metrics
 from .target import Target, load_target, prepare_target, regenerate
 from .workers import Job, StepSync, Turnstile, Watchdog, drafter_worker, stop_on_ctrl_c, target_worker
@@ -163,6 +164,7 @@ class Trainer:
         self.started = time.monotonic()
         self.metrics: MetricsLog | None = None
         self.collectives: Collectives | None = None
+        self.profiler: StepProfiler | None = None
         try:
             self._build(config)
         except BaseException:
@@ -236,6 +238,14 @@ class Trainer:
         hosts_or_ranks = ranks.world_size // ranks.local_world_size if cfg.ranks_share_devices else ranks.world_size
         peak = peak_flops([*self.target_devices, *self.drafter_devices])
         self.peak_flops = peak * hosts_or_ranks if peak is not None else None
+        window = cfg.profile_window()
+        if window is not None and not self.start <= window[0] < window[1] <= self.end:
+            raise ConfigError(
+                f"--profile-steps {cfg.profile_steps}: this run trains steps {self.start + 1} to {self.end}"
+            )
+        if window is not None and ranks.is_main:
+            cuda = any(d.type == "cuda" for d in [*self.target_devices, *self.drafter_devices])
+            self.profiler = StepProfiler(window, out / "profile", cuda)
         texts = eval_prompts(corpus.held_out, cfg.eval_prompts, cfg.eval_prompt_len) if cfg.eval_prompts else []
         # Asked as the training samples were (in the chat template where the tokenizer has one).
         self.prompts = [torch.tensor(self.tokenizer.prompt(text.tolist())) for text in texts]
@@ -392,7 +402,9 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Close the metrics file and leave the process group, whether the job finished or failed."""
+        """Close the metrics file, a profile left open and the process group, whether the job finished or failed."""
+        if self.profiler is not None:
+            self.profiler.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.collectives is not None:
@@ -469,6 +481,8 @@ class Trainer:
                 event.update(event.pop("figures").read())  # waits for the GPU to reach the step's end
                 now = time.monotonic()
                 done, loss = event["step"], event["loss"]
+                if self.profiler is not None:  # the step has reached its end on the GPU too (read above)
+                    self.profiler.at_step(done)
                 # Throughput from the second report on: the first step includes compilation.
                 if first_report is None:
                     first_report = now

@@ -186,6 +186,8 @@ def main_env(monkeypatch):
         ),
         (["--compile-mode", "max-autotune-no-cudagraphs"], "--compile-mode max-autotune-no-cudagraphs is for CUDA "),
         (["--cuda-streams", "two"], "--cuda-streams 'two': use 'per-thread' or 'shared'"),
+        (["--profile-steps", "3"], "--profile-steps '3': use FIRST:LAST with 1 <= FIRST < LAST <= --steps"),
+        (["--steps", "5", "--profile-steps", "2:9"], "--profile-steps '2:9': use FIRST:LAST with 1 <= FIRST < "),
         (
             ["--drafter-devices", "cuda:0", "--compile-mode", "reduce-overhead", "--no-compile"],
             "--compile-mode reduce-overhead compiles the drafter layers: it cannot go with --no-compile",

@@ -349,3 +349,21 @@ def test_tensorboard_without_its_package_is_one_clear_message(tiny, tmp_path, mo
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if the package were not installed
     with pytest.raises(ConfigError, match="pip install tensorboard"):
         train(dataclasses.replace(tiny, steps=1, tensorboard=str(tmp_path / "tb")))
+
+
+# --- profiling (issue 14) -------------------------------------------------------------------------------------
+
+
+def test_profile_steps_records_every_threads_ops_in_its_window(tiny):
+    """A target thread and two drafter threads: the profile holds the ops of several threads (torch's profiler
+    alone records only the thread that started it, here the main thread, which runs none), and the profiler is
+    off again after the job."""
+    train(dataclasses.replace(tiny, steps=5, profile_steps="2:4"))
+    profile = Path(tiny.out_dir) / "profile"
+    ops = json.loads((profile / "ops.json").read_text())
+    calls = {o["op"]: o["calls"] for o in ops["ops"]}
+    assert ops["steps"] == 2 and calls.get("aten::_fused_adamw_", 0) >= 1, calls  # a replica's optimizer step
+    trace = json.loads((profile / "trace.json").read_text())["traceEvents"]
+    threads = {e["tid"] for e in trace if e.get("cat") == "cpu_op"}
+    assert len(threads) >= 2, threads
+    assert not torch.autograd.profiler._is_profiler_enabled
