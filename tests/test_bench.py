@@ -84,14 +84,18 @@ def test_real_target_builds_a_model_the_trainer_loads(tmp_path):
 
 
 def test_cost_profile_diff_per_step():
-    from bench.cost import profile_diff, table
+    from bench.cost import STEP_MARKER, profile_diff, table
 
-    on = {"steps": 2, "ops": [{"op": "aten::mm", "calls": 8, "self_cpu_us": 400.0, "self_device_us": 0.0}]}
-    on["ops"].append({"op": "aten::copy_", "calls": 4, "self_cpu_us": 100.0, "self_device_us": 0.0})
-    off = {"steps": 4, "ops": [{"op": "aten::mm", "calls": 16, "self_cpu_us": 400.0, "self_device_us": 0.0}]}
+    def op(name: str, calls: int, cpu: float) -> dict:
+        return {"op": name, "calls": calls, "self_cpu_us": cpu, "self_device_us": 0.0}
+
+    # Per optimizer step (the window of "on" held 2, that of "off" 4, whatever steps were asked for).
+    on = {"steps": 3, "ops": [op("aten::mm", 8, 400.0), op("aten::copy_", 4, 100.0), op(STEP_MARKER, 2, 0.0)]}
+    off = {"steps": 3, "ops": [op("aten::mm", 16, 400.0), op("aten::view", 5, 0.0), op(STEP_MARKER, 4, 0.0)]}
     diff = profile_diff(on, off)
     assert diff["time"] == "self CPU time" and diff["total_us_per_step"] == [250.0, 100.0]
-    assert [r["op"] for r in diff["calls_differ"]] == ["aten::copy_"]  # 2 calls a step against none
+    # aten::copy_: 2 calls a step against none; aten::view: none against 1.25
+    assert [r["op"] for r in diff["calls_differ"]] == ["aten::copy_", "aten::view"]
     assert diff["largest_time_differences"][0] == {"op": "aten::mm", "calls": [4.0, 4.0], "self_us": [200.0, 100.0]}
     result = dict(torch="2.13.0", device="cpu", target_parameters=1e7, steps=4, global_batch=2, seq_len=64)
     result |= dict(warmup={}, runs=[], on_tokens_per_s=[], off_tokens_per_s=[], ratio_of_medians=None, profile=diff)
