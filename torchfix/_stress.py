@@ -300,9 +300,11 @@ def _run_child(args: argparse.Namespace, disable: str) -> dict[str, object]:
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         if proc.returncode < 0:  # a crash inside torch: faulthandler printed every thread's stack
+            # From faulthandler's report on: the crashing thread's stack comes first, the others after it.
+            start = proc.stderr.rfind("Fatal Python error")
             return {
                 "failed": f"crashed: killed by {signal.Signals(-proc.returncode).name}",
-                "stderr": proc.stderr[-4000:],
+                "stderr": proc.stderr[start:][:8000] if start >= 0 else proc.stderr[-4000:],
             }
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return {"failed": f"exit {proc.returncode}: {tail[:300]}"}
