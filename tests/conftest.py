@@ -21,7 +21,7 @@ from torchfix import fixes
 here = torch.__version__
 scenarios = [
     dict(
-        id=f"{fix.name}:{s.call}", fix=fix.name, call=s.call, function=s.function, hazard=here in s.hazard,
+        id=f"{fix.name}:{s.name}", fix=fix.name, call=s.call, function=s.function.__name__, hazard=here in s.hazard,
         shows=s.shows, needs=s.needs, crashes=s.crashes is not None and here in s.crashes,
         runs_without_fix=not s.needs_fix or fix.supports(here), stage=s.stage,
     )

@@ -33,6 +33,7 @@ from collections import defaultdict
 
 from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import SourcePatch
+from .._selftest import Result, in_thread
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 from ._thread_stash import stash_until_thread_end
 
@@ -134,6 +135,55 @@ def _probe() -> str | None:
     return None
 
 
+def h7_cudagraph_trees_in_new_thread(timeout: float = 60.0) -> Result | None:
+    """A thread other than the importing one asks for its CUDA graph tree container (what its first
+    ``mode="reduce-overhead"`` graph does): torch 2.1 - 2.12 fail in ``get_obj``. Needs no GPU."""
+    try:
+        from torch._inductor import cudagraph_trees
+    except ImportError:
+        return None  # torch 2.0: no CUDA graph trees
+    main = cudagraph_trees.get_container(0)
+    other = in_thread(lambda: cudagraph_trees.get_container(0), timeout)
+    if isinstance(other, BaseException):
+        return Result("H7 (CUDA graph trees in a new thread)", True, f"raised {type(other).__name__}: {other}")
+    shared = other is main
+    return Result("H7 (CUDA graph trees in a new thread)", shared, "shares the main thread's" if shared else "ok")
+
+
+def h7_cudagraph_trees_at_thread_end(timeout: float = 60.0) -> Result | None:
+    """A thread makes its CUDA graph tree containers (what its first ``mode="reduce-overhead"`` graph does) and
+    ends. When Python drops its thread-local values, at the thread's end, the containers must be out of torch's
+    C++ thread-local stash: left there, C++ thread-exit code tears the thread's trees down after Python let
+    the thread go (torch 2.13 - 2.15; 2.1 - 2.12 give a thread no trees of its own without torchfix). No GPU."""
+    import torch
+
+    try:
+        from torch._inductor import cudagraph_trees
+    except ImportError:
+        return None
+    scenario, stashed_at_end = "H7 (CUDA graph trees at a thread's end)", []
+
+    class AtThreadEnd:
+        # First used after the trees' own thread-local values, so dropped after them. Before torch 2.13 an
+        # entry cannot be removed, only overwritten with None.
+        def __del__(self) -> None:
+            key = "tree_manager_containers"
+            stashed_at_end.append(torch._C._is_key_in_tls(key) and torch._C._get_obj_in_tls(key) is not None)
+
+    at_end = threading.local()
+
+    def make_trees() -> None:
+        cudagraph_trees.get_container(0)
+        at_end.probe = AtThreadEnd()
+
+    error = in_thread(make_trees, timeout)
+    if isinstance(error, BaseException):
+        return Result(scenario, True, f"no trees of its own: {type(error).__name__}: {error}")
+    if stashed_at_end != [False]:
+        return Result(scenario, True, f"still in the C++ thread-local stash at the thread's end: {stashed_at_end}")
+    return Result(scenario, False, "taken out of the C++ thread-local stash by the thread")
+
+
 FIX = Fix(
     name="cudagraph-thread-trees",
     hazard="mode='reduce-overhead' in a thread other than the one that imported CUDA graph trees fails "
@@ -144,8 +194,8 @@ FIX = Fix(
     patches=_patches,
     trigger=MODULE,
     scenarios=(
-        Scenario("h7_cudagraph_trees_in_new_thread", releases("2.1", "2.12"), needs="CUDA graph trees (2.1+)"),
+        Scenario(h7_cudagraph_trees_in_new_thread, releases("2.1", "2.12"), needs="CUDA graph trees (2.1+)"),
         # On 2.1 - 2.12 a thread has no trees of its own without the fix, which the scenario reports as the hazard.
-        Scenario("h7_cudagraph_trees_at_thread_end", releases("2.1"), needs="CUDA graph trees (2.1+)"),
+        Scenario(h7_cudagraph_trees_at_thread_end, releases("2.1"), needs="CUDA graph trees (2.1+)"),
     ),
 )
