@@ -111,6 +111,7 @@ def _patches(torch_version: str) -> list:
 
 FIX = Fix(
     name="backward-compile-deadlock",
+    order=40,
     hazard="threads sharing a device deadlock: a lazy backward compile on autograd's device thread waits "
     "for compile_lock held by a forward compile that waits for that device thread",
     versions=releases("2.6"),

@@ -77,6 +77,7 @@ def cached_ops_elsewhere(timeout: float = 60.0) -> Result | None:
 
 FIX = Fix(
     name="cached-ops",
+    order=140,
     hazard="an export (a pre-dispatch mode push) iterates torch._ops' process-wide set of cached operators while "
     "other threads add to it: RuntimeError: Set changed size during iteration",
     versions=releases("2.1"),

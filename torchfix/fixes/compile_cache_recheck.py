@@ -290,6 +290,7 @@ def duplicate_compiles(
 
 FIX = Fix(
     name="compile-cache-recheck",
+    order=50,
     hazard="threads that miss Dynamo's cache together each compile the same frame again after the first "
     "one's compile (N threads, N compiles)",
     versions=releases("2.6"),

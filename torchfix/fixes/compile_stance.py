@@ -67,6 +67,7 @@ def stance_elsewhere(timeout: float = 60.0) -> Result | None:
 
 FIX = Fix(
     name="compile-stance",
+    order=60,
     hazard="one thread's torch.compiler.set_stance('force_eager') makes every thread's compiled calls run eagerly",
     versions=releases("2.6"),
     probe=moved_global_probe(MODULE, HOLDER, "_stance", "this torch has no torch.compiler.set_stance (2.6+)"),

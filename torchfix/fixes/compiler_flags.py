@@ -95,6 +95,7 @@ def h3_is_compiling_elsewhere(timeout: float = 60.0) -> Result | None:
 
 FIX = Fix(
     name="compiler-flags",
+    order=20,
     hazard="while one thread compiles or exports, torch.compiler.is_compiling() is True in every thread",
     versions=releases("2.3"),
     probe=_probe,

@@ -175,6 +175,7 @@ def h7_cudagraph_step_counters(timeout: float = 60.0) -> Result | None:
 
 FIX = Fix(
     name="cudagraph-step-counters",
+    order=190,
     hazard="with mode='reduce-overhead', one thread's cudagraph_mark_step_begin() or compiled call starts a "
     "new generation in every thread's CUDA graph trees, which then overwrite outputs their thread still needs",
     versions=releases("2.1"),

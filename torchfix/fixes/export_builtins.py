@@ -95,6 +95,7 @@ def export_builtins_after_overlap(timeout: float = 60.0) -> Result | None:
 
 FIX = Fix(
     name="export-builtins",
+    order=110,
     hazard="non-strict exports that overlap leave builtins.max and min wrapped in torch's export wrappers for good, "
     "one more per overlap, until max() raises RecursionError",
     versions=releases("2.8"),

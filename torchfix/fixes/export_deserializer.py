@@ -85,6 +85,7 @@ FIX = moved_globals_fix(
     MODULE,
     "_deserializer_tls",
     {"_CURRENT_DESERIALIZER": "deserializer"},
+    order=90,
     trigger=MODULE,
     scenarios=(Scenario(export_load_elsewhere, releases("2.3"), needs="the export deserializer global (2.3+)"),),
 )

@@ -119,6 +119,7 @@ def export_save_elsewhere(timeout: float = 60.0) -> Result | None:
 
 FIX = Fix(
     name="export-save",
+    order=100,
     hazard="torch.export.save in two threads at once raises AssertionError: Refusing to stomp on existing "
     "FakeTensor reducer",
     versions=releases("2.3"),

@@ -58,6 +58,7 @@ FIX = moved_globals_fix(
     MODULE,
     "_export_trace_tls",
     {"_EXPORT_FLAGS": "flags", "_EXPORT_MODULE_HIERARCHY": "module_hierarchy"},
+    order=120,
     optional=frozenset({"_EXPORT_MODULE_HIERARCHY"}),
     trigger=MODULE,
     scenarios=(Scenario(export_trace_elsewhere, releases("2.4"), needs="non-strict export", stage=3),),

@@ -91,6 +91,7 @@ def fake_impl_ctx_elsewhere(timeout: float = 60.0) -> Result | None:
 
 FIX = Fix(
     name="fake-impl-ctx",
+    order=160,
     hazard="torch.library.get_ctx() in one thread returns the fake-implementation context of another thread",
     versions=releases("2.2"),
     probe=_probe,

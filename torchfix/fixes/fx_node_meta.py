@@ -65,6 +65,7 @@ def node_meta_elsewhere(timeout: float = 60.0) -> Result:
 
 FIX = Fix(
     name="fx-node-meta",
+    order=80,
     hazard="while one thread traces with node metadata (preserve_node_meta, set_current_meta), other threads' "
     "FX graphs get its stack traces and metadata",
     versions=releases("2.0"),

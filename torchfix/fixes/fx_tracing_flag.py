@@ -251,6 +251,7 @@ def many_threads(rounds: int = 20, callers: int = 4, timeout: float = 60.0) -> R
 
 FIX = Fix(
     name="fx-tracing-flag",
+    order=10,
     hazard="one thread's FX trace (symbolic_trace, make_fx, AOTAutograd) breaks compiled calls in other threads",
     versions=releases("2.0", "2.13"),
     probe=_probe,

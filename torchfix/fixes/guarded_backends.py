@@ -116,6 +116,7 @@ def guarded_backends_elsewhere(timeout: float = 60.0) -> Result:
 
 FIX = Fix(
     name="guarded-backends",
+    order=70,
     hazard="code compiled in one thread fails its guard with KeyError in another thread that compiled the same "
     "function with another torch.compile (torch 2.2)",
     versions=releases("2.2", "2.2"),

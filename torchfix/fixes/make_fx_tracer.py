@@ -70,6 +70,7 @@ FIX = moved_globals_fix(
     "torch.fx.experimental.proxy_tensor",
     "_make_fx_tracer_tls",
     {"_CURRENT_MAKE_FX_TRACER": "tracer"},
+    order=150,
     scenarios=(
         Scenario(
             make_fx_tracer_elsewhere,

@@ -54,6 +54,7 @@ FIX = moved_globals_fix(
     "torch._ops",
     "_pre_dispatch_tls",
     {STACK: "mode_stack"},
+    order=130,
     own=frozenset({STACK}),
     scenarios=(
         Scenario(

@@ -360,6 +360,7 @@ def concurrent_tracers(threads: int = 4, rounds: int = 5, timeout: float = 60.0)
 
 FIX = Fix(
     name="trace-patch-isolation",
+    order=30,
     hazard="an FX trace in one thread patches nn.Module.__call__/__getattr__ and wrapped functions for every thread",
     versions=releases("2.0"),
     probe=_probe,
