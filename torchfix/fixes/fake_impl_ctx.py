@@ -14,6 +14,7 @@ The global moves to a ``threading.local`` with :class:`ThreadLocalGlobals`.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 from .._fix import Fix, Scenario, minor_release, releases
@@ -22,17 +23,16 @@ from .._selftest import Result
 
 HOLDER = "_ctx_getter_tls"
 GETTER = "global_ctx_getter"
+MODULES = ("torch._library.fake_impl", "torch._library.abstract_impl")  # torch 2.5 renamed abstract_impl
 
 
 def _module(torch_version: str) -> str:
-    """torch 2.5 renamed abstract_impl to fake_impl."""
-    return "torch._library." + ("fake_impl" if minor_release(torch_version) >= (2, 5) else "abstract_impl")
+    return MODULES[0] if minor_release(torch_version) >= (2, 5) else MODULES[1]
 
 
 def _probe() -> str | None:
-    import torch
-
-    module = _module(str(torch.__version__))
+    # By the module this torch has, not by its version (which may be any string).
+    module = MODULES[0] if importlib.util.find_spec(MODULES[0]) else MODULES[1]
     return moved_global_probe(module, HOLDER, GETTER, f"{module} has no {GETTER} (before torch 2.2)")()
 
 
