@@ -28,10 +28,15 @@ def _add_one(x):
     return x + 1
 
 
+def fresh(function: Callable) -> Callable:
+    """``function`` with a code object of its own: Dynamo keeps compiled code on the code object, so a scenario
+    compiling it meets nothing an earlier scenario (or an earlier run of itself) compiled."""
+    code, closure = function.__code__.replace(), function.__closure__
+    return types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__, closure)
+
+
 def fresh_add_one() -> Callable:
-    """``_add_one`` with a code object of its own: Dynamo keeps compiled code on the code object, so a scenario
-    compiling this meets nothing an earlier scenario (or an earlier run of itself) compiled."""
-    return types.FunctionType(_add_one.__code__.replace(), globals(), "_add_one")
+    return fresh(_add_one)
 
 
 def compiled_add_one() -> Callable:
