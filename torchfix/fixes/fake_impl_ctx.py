@@ -32,8 +32,11 @@ def _module(torch_version: str) -> str:
 
 def _probe() -> str | None:
     # By the module this torch has, not by its version (which may be any string).
-    module = MODULES[0] if importlib.util.find_spec(MODULES[0]) else MODULES[1]
-    return moved_global_probe(module, HOLDER, GETTER, f"{module} has no {GETTER} (before torch 2.2)")()
+    try:
+        module = MODULES[0] if importlib.util.find_spec(MODULES[0]) else MODULES[1]
+    except ModuleNotFoundError:
+        return "this torch has no torch._library (before torch 2.2)"
+    return moved_global_probe(module, HOLDER, GETTER, f"{module} has no {GETTER}")()
 
 
 _HELD_FAKE_OP: list[object] = []  # the scenario's custom operator: registered once per process
