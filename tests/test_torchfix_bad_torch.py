@@ -91,15 +91,18 @@ import json
 import torch, torchfix
 from torchfix import fixes
 from torchfix.__main__ import _installed_reader, _load_triggers
+from torchfix._install import module_file_exists
 _load_triggers()
 here, states = str(torch.__version__), {s.name: s.state.value for s in torchfix.status()}
 plan = {}
 for fix in fixes.ALL:
     patches = fix.patches(here) if states[fix.name] == "applied" else []
+    modules = [p.module_name for p in patches]
     plan[fix.name] = dict(
         state=states[fix.name],
-        imports=sorted({fix.trigger, *(p.module_name for p in patches)}),
-        modules=[p.module_name for p in patches],
+        # What to import before torchfix, so that it applies at once (a patch may name a module this torch lacks).
+        imports=sorted(m for m in {fix.trigger, *modules} if patches and module_file_exists(m)),
+        modules=modules,
         # [module, file] of each patch that edits a file here, in the order the fix applies them.
         files=[[p.module_name, p.relpath] for p in patches if hasattr(p, "relpath") and p.diff(_installed_reader)],
     )
