@@ -13,21 +13,23 @@ from dataclasses import dataclass
 import pytest
 from packaging.version import Version
 
-# Every fix's self-test scenarios as the fix declares them (torchfix._fix.Scenario), evaluated for this torch, and
-# torch's version: read in a fresh interpreter (importing torchfix here would patch torch in the test process).
+# Every fix (in the order they apply) and its self-test scenarios as the fix declares them (torchfix._fix.Scenario),
+# evaluated for this torch, and torch's version: read in a fresh interpreter (importing torchfix here would patch
+# torch in the test process).
 _DECLARED = """
 import json, torch
 from torchfix import fixes
 here = torch.__version__
+found = [dict(name=fix.name, supported=fix.supports(here), cost=fix.hazard_is_cost) for fix in fixes.ALL]
 scenarios = [
     dict(
-        id=f"{fix.name}:{s.call}", fix=fix.name, call=s.call, function=s.function, hazard=here in s.hazard,
+        id=f"{fix.name}:{s.name}", fix=fix.name, call=s.call, function=s.function.__name__, hazard=here in s.hazard,
         shows=s.shows, needs=s.needs, crashes=s.crashes is not None and here in s.crashes,
         runs_without_fix=not s.needs_fix or fix.supports(here), stage=s.stage,
     )
     for fix in fixes.ALL for s in fix.scenarios
 ]
-print(json.dumps({"torch": here, "scenarios": scenarios}))
+print(json.dumps({"torch": here, "fixes": found, "scenarios": scenarios}))
 """
 _declared = json.loads(
     subprocess.run(
@@ -39,6 +41,7 @@ _declared = json.loads(
     ).stdout.splitlines()[-1]
 )
 TORCH_VERSION = Version(_declared["torch"])
+FIXES: list[dict] = _declared["fixes"]
 SCENARIOS: list[dict] = _declared["scenarios"]
 
 

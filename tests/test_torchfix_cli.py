@@ -1,10 +1,12 @@
 """python -m torchfix: the doctor, the diffs (and patches/ drift), stress, run, pth."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from conftest import (
+    FIXES,
     HAS_H1,
     TORCH_CRASHES_ON_CONCURRENT_MAKE_FX,
     TORCH_VERSION,
@@ -81,6 +83,15 @@ def test_patches_command_regenerates_a_release_from_its_wheel(tmp_path):
     assert ran.returncode == 0, ran.stdout + ran.stderr
     made = {p.name: p.read_text() for p in release.glob("*.diff")}
     assert made == {p.name: p.read_text() for p in PATCHES.glob("*.diff")}
+
+
+def test_readme_lists_every_fix_in_the_order_they_apply():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("## What it fixes", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \|", table, re.M)
+    names = [fix["name"] for fix in FIXES]
+    assert len(set(names)) == len(names), names
+    assert rows == names, "README.md's table of fixes must list every fix, in the order they apply"
 
 
 def test_run_executes_a_script_with_torchfix_loaded(tmp_path):

@@ -20,7 +20,6 @@ from conftest import (
 SCENARIO = """
 import dataclasses, json, os, sys
 import torchfix, torch
-from torchfix import _selftest
 result = {call}
 print(json.dumps(dataclasses.asdict(result) if result else None), flush=True)
 os._exit(0)  # torch 2.3's interpreter teardown after a threaded compile can abort or hang, fix or not
@@ -28,7 +27,8 @@ os._exit(0)  # torch 2.3's interpreter teardown after a threaded compile can abo
 
 
 def scenario(call: str, disabled: bool, fix: str = "1") -> dict:
-    """Run a self-test scenario; ``disabled`` turns off ``fix`` (all fixes by default)."""
+    """Run a self-test scenario (``call``: its call as source, after ``import torchfix``); ``disabled`` turns off
+    ``fix`` (all fixes by default)."""
     return run_ok(SCENARIO.format(call=call), disable=fix if disabled else None).json()
 
 
@@ -38,7 +38,7 @@ def test_a_fix_removes_the_hazard_its_scenario_shows(declared, disabled):
         pytest.skip(f"torch itself can crash in {declared['call']} on this release (C++ state), fix or not")
     if not declared["runs_without_fix"]:
         pytest.skip(f"{declared['call']} runs only where {declared['fix']} applies")
-    result = scenario(f"_selftest.{declared['call']}", disabled, fix=declared["fix"])
+    result = scenario(declared["call"], disabled, fix=declared["fix"])
     if result is None:
         pytest.skip(f"the scenario needs {declared['needs'] or 'what this torch lacks'}")
     assert result["hazard"] == (disabled and declared["hazard"]), result
@@ -47,14 +47,16 @@ def test_a_fix_removes_the_hazard_its_scenario_shows(declared, disabled):
 
 
 def test_many_threads_calling_while_another_traces(disabled):
-    result = scenario("_selftest.many_threads(rounds=12, callers=6)", disabled, fix="fx-tracing-flag")
+    result = scenario(
+        "torchfix.fixes.fx_tracing_flag.many_threads(rounds=12, callers=6)", disabled, fix="fx-tracing-flag"
+    )
     assert result["hazard"] == (disabled and HAS_H1), result
     if disabled and HAS_H1:
         assert result["detail"].startswith("72 of 72"), result  # every call landed inside a trace
 
 
 def test_h3_the_compiling_thread_itself_still_sees_is_compiling():
-    result = scenario("_selftest.h3_is_compiling_elsewhere()", disabled=False)
+    result = scenario("torchfix.fixes.compiler_flags.h3_is_compiling_elsewhere()", disabled=False)
     if result is None:
         pytest.skip("this torch has no torch.compiler.is_compiling (H3 needs torch 2.3+)")
     if HAS_H3:  # the compiling thread itself still sees True, fix or not
@@ -62,14 +64,18 @@ def test_h3_the_compiling_thread_itself_still_sees_is_compiling():
 
 
 def test_h4_many_threads_tracing_at_once(disabled):
-    result = scenario("_selftest.concurrent_tracers(threads=4, rounds=5)", disabled, fix="trace-patch-isolation")
+    result = scenario(
+        "torchfix.fixes.trace_patch_isolation.concurrent_tracers(threads=4, rounds=5)",
+        disabled,
+        fix="trace-patch-isolation",
+    )
     assert result["hazard"] == (disabled and hazard_here("h4_trace_patches_leak")), result
     if not disabled:
         assert result["detail"] == "all 20 traces correct", result
 
 
 def test_h7_cudagraph_step_counters_are_the_acting_threads_own():
-    result = scenario("_selftest.h7_cudagraph_step_counters()", disabled=False)
+    result = scenario("torchfix.fixes.cudagraph_step_counters.h7_cudagraph_step_counters()", disabled=False)
     if result is None:
         pytest.skip("this torch has no CUDA graph trees (2.1+)")
     assert result["detail"].endswith("the acting thread's: (-1, True)"), result  # its own mark-step counts
@@ -85,7 +91,7 @@ needs_recheck_fix = pytest.mark.skipif(
 @needs_recheck_fix
 def test_threads_starting_together_compile_once():
     # 3 threads: one compiles while the other two miss the cache and wait for compile_lock.
-    result = scenario("_selftest.duplicate_compiles(3)", disabled=False)
+    result = scenario("torchfix.fixes.compile_cache_recheck.duplicate_compiles(3)", disabled=False)
     assert not result["hazard"] and result["detail"].startswith("1 compiles"), result
 
 
@@ -99,7 +105,7 @@ def test_threads_starting_together_compile_once():
 def test_a_thread_the_first_compile_does_not_fit_compiles_its_own(call):
     # The second thread's input fails the first compile's guards, or it compiles with another backend:
     # it must compile its own (the third reuses the first).
-    result = scenario(f"_selftest.duplicate_compiles(3, {call})", disabled=False)
+    result = scenario(f"torchfix.fixes.compile_cache_recheck.duplicate_compiles(3, {call})", disabled=False)
     assert not result["hazard"] and result["detail"].startswith("2 compiles"), result
 
 

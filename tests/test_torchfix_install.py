@@ -9,9 +9,9 @@ needs_h1 = pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ keeps the FX flag 
 REPORT = """
 import json
 import torchfix
-from torchfix import _selftest
-print(json.dumps({"state": torchfix.status()[0].state.value,
-                  "hazard": _selftest.h1_nested_trace_error(**H1_KWARGS).hazard}))
+from torchfix.fixes.fx_tracing_flag import h1_nested_trace_error
+print(json.dumps({"state": {s.name: s.state.value for s in torchfix.status()}["fx-tracing-flag"],
+                  "hazard": h1_nested_trace_error(**H1_KWARGS).hazard}))
 """
 
 
@@ -61,7 +61,9 @@ def codes():
     return {f.__qualname__: f.__code__ for f in functions}
 before = codes()
 import torchfix
-from torchfix import _selftest
+from torchfix.fixes.fx_tracing_flag import h1_nested_trace_error
+def state(statuses):
+    return {s.name: s.state.value for s in statuses}["fx-tracing-flag"]
 patched = {name for name, code in codes().items() if code is not before[name]}
 torchfix.uninstall()
 restored = all(code is before[name] for name, code in codes().items())
@@ -70,10 +72,10 @@ print(json.dumps({
     "restored": restored,
     "plain_module": type(st) is types.ModuleType and "_is_fx_tracing_flag" in vars(st)
         and "_is_fx_tracing_tls" not in vars(st),
-    "state": torchfix.status()[0].state.value,
-    "hazard_after_uninstall": _selftest.h1_nested_trace_error().hazard,
-    "reinstall": torchfix.install()[0].state.value,
-    "hazard_after_reinstall": _selftest.h1_nested_trace_error().hazard,
+    "state": state(torchfix.status()),
+    "hazard_after_uninstall": h1_nested_trace_error().hazard,
+    "reinstall": state(torchfix.install()),
+    "hazard_after_reinstall": h1_nested_trace_error().hazard,
 }))
 """).json()
     assert len(ran["patched"]) == 3, ran["patched"]
@@ -89,9 +91,9 @@ import json
 import torch, torchfix
 import torch.fx._symbolic_trace as st
 code, cls = st.Tracer.trace.__code__, type(st)
-again = torchfix.install()
+again = {s.name: s.state.value for s in torchfix.install()}
 print(json.dumps({"same": st.Tracer.trace.__code__ is code and type(st) is cls,
-                  "state": again[0].state.value}))
+                  "state": again["fx-tracing-flag"]}))
 """).json()
     assert ran == {"same": True, "state": expected_state()}
 
@@ -101,11 +103,13 @@ def test_uninstall_before_torch_is_imported_cancels_the_hook():
     ran = run_ok("""
 import json
 import torchfix
-pending = torchfix.status()[0].state.value
+def state():
+    return {s.name: s.state.value for s in torchfix.status()}["fx-tracing-flag"]
+pending = state()
 torchfix.uninstall()
 import torch
 import torch.fx._symbolic_trace as st
-print(json.dumps({"pending": pending, "state": torchfix.status()[0].state.value,
+print(json.dumps({"pending": pending, "state": state(),
                   "untouched": "_is_fx_tracing_flag" in vars(st)}))
 """).json()
     assert ran == {"pending": "pending import", "state": "not installed", "untouched": True}
@@ -129,11 +133,12 @@ def snapshot():
     return [(type(m), sorted(vars(m)), codes(m)) for m in (torch.compiler, st)]
 before = snapshot()
 import torchfix
-from torchfix import _selftest
+from torchfix.fixes.compiler_flags import h3_is_compiling_elsewhere
+from torchfix.fixes.trace_patch_isolation import h4_trace_patches_leak
 states = {s.name: s.state.value for s in torchfix.status()}
-fixed = [_selftest.h3_is_compiling_elsewhere().hazard, _selftest.h4_trace_patches_leak("eager_module").hazard]
+fixed = [h3_is_compiling_elsewhere().hazard, h4_trace_patches_leak("eager_module").hazard]
 torchfix.uninstall()
-after_uninstall = [_selftest.h3_is_compiling_elsewhere().hazard, _selftest.h4_trace_patches_leak("eager_module").hazard]
+after_uninstall = [h3_is_compiling_elsewhere().hazard, h4_trace_patches_leak("eager_module").hazard]
 print(json.dumps({"states": [states["compiler-flags"], states["trace-patch-isolation"]], "fixed": fixed,
                   "restored": snapshot() == before, "after_uninstall": after_uninstall}))
 """).json()
@@ -219,7 +224,7 @@ SHOWN_HERE = list(
 UNINSTALL_ONE = """
 import dataclasses, importlib, json, os
 import torch, torchfix
-from torchfix import _selftest, fixes
+from torchfix import fixes
 def load_triggers():  # the fixes that wait for a part of torch apply when it is imported
     for fix in fixes.ALL:
         try:
@@ -227,7 +232,7 @@ def load_triggers():  # the fixes that wait for a part of torch apply when it is
         except ImportError:
             pass
 def hazard():
-    return _selftest.{call}.hazard
+    return {call}.hazard
 load_triggers()
 found = {{"with": hazard()}}
 torchfix.uninstall()

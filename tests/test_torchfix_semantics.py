@@ -93,7 +93,7 @@ import torch
 import torch.fx._symbolic_trace as st
 st._is_fx_tracing_flag = True  # stuck before the install
 import torchfix
-from torchfix import _selftest
+from torchfix.fixes.fx_tracing_flag import many_threads
 holder = st._is_fx_tracing_tls
 def elsewhere():
     seen = []
@@ -103,7 +103,7 @@ def elsewhere():
 seen = {"installer": st.is_fx_tracing(), "new_thread": elsewhere(), "count": holder.overridden}
 st._set_is_fx_tracing(False)
 seen["after_reset"] = [st.is_fx_tracing(), holder.overridden]
-_selftest.many_threads(rounds=4, callers=3)  # traces in threads set and restore their own values
+many_threads(rounds=4, callers=3)  # traces in threads set and restore their own values
 seen["after_traces"] = holder.overridden
 print(json.dumps(seen))
 """).json()
@@ -159,8 +159,8 @@ def test_set_compilation_env_clears_the_flag_of_its_own_thread():
 import json
 import torchfix, torch
 import torch.fx._symbolic_trace as st
-from torchfix._selftest import _set_compilation_env
-set_compilation_env = _set_compilation_env()
+from torchfix.fixes.fx_tracing_flag import _find_set_compilation_env
+set_compilation_env = _find_set_compilation_env()
 if set_compilation_env is None:
     print(json.dumps(None)); raise SystemExit
 with st._is_fx_tracing_context(True):

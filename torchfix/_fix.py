@@ -6,7 +6,10 @@ import enum
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ._selftest import Result
 
 # The newest torch minor release every fix was checked against: a later one is "unsupported" until checked.
 NEWEST_CHECKED = "2.15"
@@ -47,11 +50,12 @@ def releases(first: str, last: str = NEWEST_CHECKED) -> Releases:
 class Scenario:
     """A forced interleaving of threads that shows one fix's hazard, declared by the fix.
 
-    The doctor (``_selftest.run_all``) runs every fix's scenarios with the fixes on; the hazard tests run each
-    in a fresh interpreter twice, with torchfix and with its fix disabled (TORCHFIX_DISABLE), and assert that
-    the hazard shows exactly where ``hazard`` says and only when disabled."""
+    ``function`` lives in the fix's own module, beside the patches it tests (what several scenarios share is in
+    ``torchfix._selftest``). The doctor (``_selftest.run_all``) runs every fix's scenarios with the fixes on;
+    the hazard tests run each in a fresh interpreter twice, with torchfix and with its fix disabled
+    (TORCHFIX_DISABLE), and assert that the hazard shows exactly where ``hazard`` says and only when disabled."""
 
-    function: str  # its function in torchfix._selftest: -> Result, or None where this torch lacks what it needs
+    function: Callable[..., Result | None]  # takes ``*args, timeout=``; None where this torch lacks what it needs
     hazard: Releases  # the releases where, with the fix disabled, it must report the hazard
     args: tuple = ()
     shows: str = ""  # what the report of a disabled run contains where the hazard shows
@@ -64,9 +68,15 @@ class Scenario:
     needs_fix: bool = False  # the doctor runs it only where its fix is applied (without it, torch can crash)
 
     @property
+    def name(self) -> str:
+        """The call, short: ``h1_nested_trace_error('make_fx')``."""
+        return f"{self.function.__name__}({', '.join(map(repr, self.args))})"
+
+    @property
     def call(self) -> str:
-        """The call in ``_selftest``, as source: the tests run it in a fresh interpreter."""
-        return f"{self.function}({', '.join(map(repr, self.args))})"
+        """The call as source, for a fresh interpreter that has imported torchfix (which imports every fix
+        module): ``torchfix.fixes.fx_tracing_flag.h1_nested_trace_error('make_fx')``."""
+        return f"{self.function.__module__}.{self.name}"
 
 
 class Patch(Protocol):
@@ -121,6 +131,11 @@ class Fix:
     versions: Releases  # the torch releases whose source the patches were written against
     probe: Callable[[], str | None]
     patches: Callable[[str], list[Patch]]  # torch version -> fresh patch objects (they hold their undo state)
+    # Where it stands among the fixes (``fixes.ALL``): they apply in increasing order (ties by name) and revert
+    # in reverse, and status(), the doctor and the README's table list them so. No fix needs another applied
+    # first (edits of one file compose in any order), so this is only its place in the list: tens, leaving
+    # room for a new fix to go between two.
+    order: int
     # The module whose import applies the fix: torch, or a part of torch that `import torch` does not load
     # (importing it early would slow every program down).
     trigger: str = "torch"

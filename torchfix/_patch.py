@@ -330,6 +330,7 @@ def moved_globals_fix(
     holder: str,
     moved: dict[str, str],
     *,
+    order: int,
     optional: frozenset[str] = frozenset(),
     own: frozenset[str] = frozenset(),
     trigger: str = "torch",
@@ -337,7 +338,7 @@ def moved_globals_fix(
 ) -> Fix:
     """A fix that moves globals of one torch module to per-thread storage (:class:`ThreadLocalGlobals`; ``optional``
     and ``own`` are its), and does nothing else: from torch ``first`` (before it, the first of ``moved`` does not
-    exist) through the newest checked release."""
+    exist) through the newest checked release. ``order`` and the rest are :class:`Fix`'s."""
     probed = next(iter(moved))
     return Fix(
         name=name,
@@ -347,6 +348,7 @@ def moved_globals_fix(
         patches=lambda _torch_version: [
             ThreadLocalGlobals(module, module.replace(".", "/") + ".py", holder, moved, optional=optional, own=own)
         ],
+        order=order,
         trigger=trigger,
         scenarios=scenarios,
     )

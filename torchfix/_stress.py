@@ -131,7 +131,7 @@ class Soak:
         return counting
 
     def symbolic_trace(self, rng: random.Random) -> None:
-        ops = _selftest._graph_ops(_selftest._module_around(self._add_one))
+        ops = _selftest.graph_ops(_selftest.module_around(self._add_one))
         assert ops == _selftest.MODULE_GRAPH, f"traced graph {ops}"
 
     def make_fx(self, rng: random.Random) -> None:

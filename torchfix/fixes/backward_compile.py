@@ -89,7 +89,8 @@ def _config_entry() -> object | None:
 def _probe() -> str | None:
     import torch
 
-    if minor_release(str(torch.__version__)) < (2, 6):
+    release = minor_release(str(torch.__version__))
+    if release is not None and release < (2, 6):  # a version we cannot read is the versions check's to refuse
         return "before torch 2.6 the backward compiler does not take compile_lock"
     entry = _config_entry()
     if entry is not None:
@@ -111,6 +112,7 @@ def _patches(torch_version: str) -> list:
 
 FIX = Fix(
     name="backward-compile-deadlock",
+    order=40,
     hazard="threads sharing a device deadlock: a lazy backward compile on autograd's device thread waits "
     "for compile_lock held by a forward compile that waits for that device thread",
     versions=releases("2.6"),

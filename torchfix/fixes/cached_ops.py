@@ -19,6 +19,7 @@ import importlib
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
+from .._selftest import Result, in_thread
 from .._source import Edit, ShapeError, definitions, replace_node
 
 MODULE = "torch._ops"
@@ -48,8 +49,35 @@ def _probe() -> str | None:
     return None if get() is getattr(module, CACHE, None) else f"{MODULE}.{FUNCTION}() returns a copy already"
 
 
+def cached_ops_elsewhere(timeout: float = 60.0) -> Result | None:
+    """The main thread iterates ``torch._ops.get_cached_ops()``, as entering a pre-dispatch mode (an export)
+    does; halfway, another thread caches an operator overload's dispatch for the first time
+    (``add_cached_op``). The iteration must finish. None before torch 2.1."""
+    import torch
+    from torch import _ops
+
+    if not hasattr(_ops, "get_cached_ops"):
+        return None
+    aten = torch.ops.aten
+    for op in (aten.sin.default, aten.cos.default):  # at least two, so that the iteration has a halfway
+        _ops.add_cached_op(op)
+    candidates = (aten.tan.default, aten.atan.default, aten.sinh.default, aten.cosh.default, aten.tanh.default)
+    fresh = next((op for op in candidates if op not in _ops.cached_ops), None)
+    if fresh is None:
+        return Result("cached ops", False, "every candidate operator is cached already: nothing to add")
+    ops = iter(_ops.get_cached_ops())
+    next(ops)
+    in_thread(lambda: _ops.add_cached_op(fresh), timeout)
+    try:
+        rest = sum(1 for _ in ops)
+    except RuntimeError as exc:
+        return Result("cached ops (iterated in one thread, added to in another)", True, f"raised {exc}")
+    return Result("cached ops (iterated in one thread, added to in another)", False, f"iterated {rest + 1} ops")
+
+
 FIX = Fix(
     name="cached-ops",
+    order=140,
     hazard="an export (a pre-dispatch mode push) iterates torch._ops' process-wide set of cached operators while "
     "other threads add to it: RuntimeError: Set changed size during iteration",
     versions=releases("2.1"),
@@ -57,7 +85,7 @@ FIX = Fix(
     patches=lambda _torch_version: [_CopyOfCachedOps()],
     scenarios=(
         Scenario(
-            "cached_ops_elsewhere", releases("2.1"), needs="torch._ops.get_cached_ops (2.1+)", shows="Set changed size"
+            cached_ops_elsewhere, releases("2.1"), needs="torch._ops.get_cached_ops (2.1+)", shows="Set changed size"
         ),
     ),
 )

@@ -19,15 +19,55 @@ that thread's stance (the default), not the stance of the thread whose backward 
 
 from __future__ import annotations
 
+import threading
+
 from .._fix import Fix, Scenario, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
+from .._selftest import Result
 
 MODULE = "torch._dynamo.eval_frame"
 HOLDER = "_stance_tls"
 
 
+def stance_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A is inside ``with torch.compiler.set_stance("force_eager")``, the main thread calls a
+    function compiled with a backend that counts its compiles: it must compile. None before torch 2.6."""
+    import torch
+
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return None
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(len(example_inputs))
+        return gm.forward
+
+    def triple(x):
+        return x * 3
+
+    inside, release = threading.Event(), threading.Event()
+
+    def evaluate() -> None:
+        with set_stance("force_eager"):
+            inside.set()
+            release.wait(timeout)
+
+    thread = threading.Thread(target=evaluate, name="torchfix-selftest")
+    thread.start()
+    inside.wait(timeout)
+    try:
+        torch.compile(triple, backend=counting)(torch.ones(2))
+    finally:
+        release.set()
+        thread.join(timeout)
+    detail = f"the backend compiled {len(compiles)} graph(s) for the call"
+    return Result("stance (set_stance('force_eager') in one thread, a compiled call in another)", not compiles, detail)
+
+
 FIX = Fix(
     name="compile-stance",
+    order=60,
     hazard="one thread's torch.compiler.set_stance('force_eager') makes every thread's compiled calls run eagerly",
     versions=releases("2.6"),
     probe=moved_global_probe(MODULE, HOLDER, "_stance", "this torch has no torch.compiler.set_stance (2.6+)"),
@@ -35,5 +75,5 @@ FIX = Fix(
         ThreadLocalGlobals(MODULE, "torch/_dynamo/eval_frame.py", HOLDER, {"_stance": "stance"})
     ],
     trigger=MODULE,
-    scenarios=(Scenario("stance_elsewhere", releases("2.6"), needs="torch.compiler.set_stance (2.6+)"),),
+    scenarios=(Scenario(stance_elsewhere, releases("2.6"), needs="torch.compiler.set_stance (2.6+)"),),
 )

@@ -37,6 +37,7 @@ import sys
 
 from .._fix import Fix, Scenario, releases
 from .._patch import AttributeUses, ThreadLocalGlobals
+from .._selftest import HeldTrace, Result
 
 MODULE = "torch.compiler"
 HOLDER = "_compiler_flags_tls"
@@ -73,11 +74,31 @@ def _probe() -> str | None:
     return f"{MODULE} has no global _is_compiling_flag (torch before 2.3, or changed upstream)"
 
 
+def h3_is_compiling_elsewhere(timeout: float = 60.0) -> Result | None:
+    """H3: while thread A compiles (its backend held open), ``torch.compiler.is_compiling()`` in thread B.
+
+    From torch 2.13 every Dynamo compile sets the flag (before, only export paths do). None where torch
+    has no ``torch.compiler.is_compiling`` (before 2.3).
+    """
+    import torch
+
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if is_compiling is None:
+        return None
+    with HeldTrace("compile", timeout, probe=is_compiling) as held:
+        elsewhere = is_compiling()
+    detail = (
+        f"is_compiling() during another thread's compile: {elsewhere} (in the compiling thread: {held.seen_inside[0]})"
+    )
+    return Result("H3 (torch.compile in one thread, is_compiling() in another)", elsewhere, detail)
+
+
 FIX = Fix(
     name="compiler-flags",
+    order=20,
     hazard="while one thread compiles or exports, torch.compiler.is_compiling() is True in every thread",
     versions=releases("2.3"),
     probe=_probe,
     patches=_patches,
-    scenarios=(Scenario("h3_is_compiling_elsewhere", releases("2.13"), needs="torch.compiler.is_compiling (2.3+)"),),
+    scenarios=(Scenario(h3_is_compiling_elsewhere, releases("2.13"), needs="torch.compiler.is_compiling (2.3+)"),),
 )

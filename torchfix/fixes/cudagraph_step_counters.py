@@ -26,6 +26,7 @@ import threading
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
+from .._selftest import Result, compiled_add_one
 from .._source import Edit, ShapeError, parse, replace_node, segment
 from ._thread_stash import stash_until_thread_end
 
@@ -135,8 +136,46 @@ def _probe() -> str | None:
     return None
 
 
+def h7_cudagraph_step_counters(timeout: float = 60.0) -> Result | None:
+    """One thread calls ``torch.compiler.cudagraph_mark_step_begin()`` and a compiled function; the
+    generation another thread's CUDA graph trees read must not move (every release up to 2.15). No GPU."""
+    import torch
+
+    try:
+        from torch._inductor import cudagraph_trees
+    except ImportError:
+        return None
+    compiled = compiled_add_one()
+    manager = cudagraph_trees.CUDAGraphTreeManager
+    first_read, acted, seen = threading.Event(), threading.Event(), []
+
+    def read() -> tuple[int, bool]:
+        return manager.get_curr_generation(), manager.user_invoked_mark_step()
+
+    def other() -> None:  # a thread with counters of its own (it ran a compiled call), read twice
+        compiled(torch.ones(2))
+        seen.append(read())
+        first_read.set()
+        acted.wait(timeout)
+        seen.append(read())
+
+    thread = threading.Thread(target=other, name="torchfix-selftest")
+    thread.start()
+    first_read.wait(timeout)
+    torch.compiler.cudagraph_mark_step_begin()
+    compiled(torch.ones(2))
+    mine = read()
+    acted.set()
+    thread.join(timeout)
+    before, after = (seen + [None, None])[:2]
+    moved = before != after
+    detail = f"another thread's (generation, mark-step) went {before} -> {after}; the acting thread's: {mine}"
+    return Result("H7 (mark-step and compiled call in one thread, CUDA graph generation in another)", moved, detail)
+
+
 FIX = Fix(
     name="cudagraph-step-counters",
+    order=190,
     hazard="with mode='reduce-overhead', one thread's cudagraph_mark_step_begin() or compiled call starts a "
     "new generation in every thread's CUDA graph trees, which then overwrite outputs their thread still needs",
     versions=releases("2.1"),
@@ -148,5 +187,5 @@ FIX = Fix(
         _TreeCounters(),
     ],
     trigger=TREES,
-    scenarios=(Scenario("h7_cudagraph_step_counters", releases("2.1"), needs="CUDA graph trees (2.1+)"),),
+    scenarios=(Scenario(h7_cudagraph_step_counters, releases("2.1"), needs="CUDA graph trees (2.1+)"),),
 )

@@ -31,9 +31,11 @@ import importlib
 import threading
 import types
 from collections import defaultdict
+from collections.abc import Callable
 
 from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import SourcePatch
+from .._selftest import Result, in_thread
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 from ._thread_stash import adopt_until_thread_end, stash_until_thread_end
 
@@ -146,8 +148,94 @@ def _probe() -> str | None:
     return None
 
 
+def h7_cudagraph_trees_in_new_thread(timeout: float = 60.0) -> Result | None:
+    """A thread other than the importing one asks for its CUDA graph tree container (what its first
+    ``mode="reduce-overhead"`` graph does): torch 2.1 - 2.12 fail in ``get_obj``. Needs no GPU."""
+    try:
+        from torch._inductor import cudagraph_trees
+    except ImportError:
+        return None  # torch 2.0: no CUDA graph trees
+    main = cudagraph_trees.get_container(0)
+    other = in_thread(lambda: cudagraph_trees.get_container(0), timeout)
+    if isinstance(other, BaseException):
+        return Result("H7 (CUDA graph trees in a new thread)", True, f"raised {type(other).__name__}: {other}")
+    shared = other is main
+    return Result("H7 (CUDA graph trees in a new thread)", shared, "shares the main thread's" if shared else "ok")
+
+
+def _trees_stashed_at_thread_end(make_trees: Callable[[], object], timeout: float) -> BaseException | list[bool]:
+    """Run ``make_trees`` in a thread that then ends: what it raised, or whether its tree containers were still
+    in torch's C++ thread-local stash when Python dropped the thread's thread-local values (one entry)."""
+    import torch
+
+    key, stashed_at_end = "tree_manager_containers", []
+
+    class AtThreadEnd:
+        # First used after the trees' own thread-local values (and torchfix's releaser), so dropped after them.
+        # Before torch 2.13 an entry cannot be removed, only overwritten with None.
+        def __del__(self) -> None:
+            stashed_at_end.append(torch._C._is_key_in_tls(key) and torch._C._get_obj_in_tls(key) is not None)
+
+    at_end = threading.local()
+
+    def run() -> None:
+        make_trees()
+        at_end.probe = AtThreadEnd()
+
+    error = in_thread(run, timeout)
+    return error if isinstance(error, BaseException) else stashed_at_end
+
+
+def h7_cudagraph_trees_at_thread_end(timeout: float = 60.0) -> Result | None:
+    """A thread makes its CUDA graph tree containers (what its first ``mode="reduce-overhead"`` graph does) and
+    ends. When Python drops its thread-local values, at the thread's end, the containers must be out of torch's
+    C++ thread-local stash: left there, C++ thread-exit code tears the thread's trees down after Python let
+    the thread go (torch 2.13 - 2.15; 2.1 - 2.12 give a thread no trees of its own without torchfix). No GPU."""
+    try:
+        from torch._inductor import cudagraph_trees
+    except ImportError:
+        return None
+    scenario = "H7 (CUDA graph trees at a thread's end)"
+    seen = _trees_stashed_at_thread_end(lambda: cudagraph_trees.get_container(0), timeout)
+    if isinstance(seen, BaseException):
+        return Result(scenario, True, f"no trees of its own: {type(seen).__name__}: {seen}")
+    if seen != [False]:
+        return Result(scenario, True, f"still in the C++ thread-local stash at the thread's end: {seen}")
+    return Result(scenario, False, "taken out of the C++ thread-local stash by the thread")
+
+
+# The importing thread's containers, kept for the process: without the fix torch 2.1 - 2.12 drop a reference
+# to them that they never took, when that thread's C++ state goes.
+_importers_trees: list[object] = []
+
+
+def h7_cudagraph_trees_importer_ends(timeout: float = 60.0) -> Result | None:
+    """A worker thread is the first to import CUDA graph trees (as the first thread to compile a
+    ``mode="reduce-overhead"`` graph does), and ends. torch stashes the importing thread's containers at import;
+    they too must be out of the C++ thread-local stash at the thread's end (up to 2.12 that entry also holds no
+    reference of its own, so at the OS thread's exit it drops one from containers Python has freed). Needs a
+    process that has not imported CUDA graph trees yet (the hazard tests run it in a fresh one). No GPU."""
+    import importlib.util
+    import sys
+
+    if MODULE in sys.modules or importlib.util.find_spec(MODULE) is None:
+        return None
+
+    def import_trees() -> None:
+        _importers_trees.append(importlib.import_module(MODULE).local.tree_manager_containers)
+
+    scenario = "H7 (CUDA graph trees imported by a thread that ends)"
+    seen = _trees_stashed_at_thread_end(import_trees, timeout)
+    if isinstance(seen, BaseException):
+        return Result(scenario, True, f"raised {type(seen).__name__}: {seen}")
+    if seen != [False]:
+        return Result(scenario, True, f"still in the C++ thread-local stash at the thread's end: {seen}")
+    return Result(scenario, False, "taken out of the C++ thread-local stash by the thread")
+
+
 FIX = Fix(
     name="cudagraph-thread-trees",
+    order=170,
     hazard="mode='reduce-overhead' in a thread other than the one that imported CUDA graph trees fails "
     "(AssertionError in cudagraph_trees.get_obj; torch 2.1 - 2.12), threads' graph captures break each other, "
     "and a thread's trees are torn down by C++ thread-exit code after Python let the thread go",
@@ -156,11 +244,11 @@ FIX = Fix(
     patches=_patches,
     trigger=MODULE,
     scenarios=(
-        Scenario("h7_cudagraph_trees_in_new_thread", releases("2.1", "2.12"), needs="CUDA graph trees (2.1+)"),
+        Scenario(h7_cudagraph_trees_in_new_thread, releases("2.1", "2.12"), needs="CUDA graph trees (2.1+)"),
         # On 2.1 - 2.12 a thread has no trees of its own without the fix, which the scenario reports as the hazard.
-        Scenario("h7_cudagraph_trees_at_thread_end", releases("2.1"), needs="CUDA graph trees (2.1+)"),
+        Scenario(h7_cudagraph_trees_at_thread_end, releases("2.1"), needs="CUDA graph trees (2.1+)"),
         Scenario(
-            "h7_cudagraph_trees_importer_ends",
+            h7_cudagraph_trees_importer_ends,
             releases("2.1"),
             shows="still in the C++ thread-local stash",
             needs="CUDA graph trees (2.1+), not yet imported",

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import importlib
 import math
+import types
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
+from .._selftest import HeldExport, Result, export_never_held
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch._export.non_strict_utils"
@@ -59,8 +62,40 @@ def _probe() -> str | None:
     return None if hasattr(module, "_override_builtin_ops") else f"{MODULE} patches no builtins (before torch 2.8)"
 
 
+def export_builtins_after_overlap(timeout: float = 60.0) -> Result | None:
+    """Thread A starts a non-strict export and waits in its forward; thread B starts one and waits too; A
+    finishes, then B. Afterwards ``builtins.max`` must be the real builtin again, not one of torch's export
+    wrappers (which the scenario then takes away, for the scenarios after it). None where non-strict export
+    patches no builtins (before torch 2.8) or cannot run here."""
+    import builtins
+    import importlib
+
+    try:
+        utils = importlib.import_module("torch._export.non_strict_utils")
+    except ImportError:
+        return None
+    if not hasattr(utils, "_override_builtin_ops"):
+        return None
+    scenario = "export builtins (two non-strict exports overlapping)"
+    first = HeldExport(timeout).__enter__()
+    if not first.inside:
+        first.__exit__(None, None, None)
+        return export_never_held(first, scenario)
+    second = HeldExport(timeout).__enter__()
+    first.__exit__(None, None, None)  # the first to start ends first
+    second.__exit__(None, None, None)
+    left, depth = builtins.max, 0
+    while isinstance(builtins.max, functools.partial):  # torch's wrapper, left behind: unwrap it
+        builtins.max = builtins.max.keywords["real_callable"]
+        depth += 1
+    wrong = not isinstance(left, types.BuiltinFunctionType) or depth > 0
+    detail = f"builtins.max afterwards: {type(left).__name__} ({depth} wrappers deep); the exports: "
+    return Result(scenario, wrong, detail + f"{first.outcome[:100]!r}, {second.outcome[:100]!r}")
+
+
 FIX = Fix(
     name="export-builtins",
+    order=110,
     hazard="non-strict exports that overlap leave builtins.max and min wrapped in torch's export wrappers for good, "
     "one more per overlap, until max() raises RecursionError",
     versions=releases("2.8"),
@@ -69,7 +104,7 @@ FIX = Fix(
     trigger=MODULE,
     scenarios=(
         Scenario(
-            "export_builtins_after_overlap",
+            export_builtins_after_overlap,
             releases("2.8"),
             needs="non-strict export patching builtins (2.8+)",
             shows="partial (1 wrappers deep)",

@@ -16,10 +16,67 @@ still cannot nest two deserializations (torch's check stays, per thread).
 
 from __future__ import annotations
 
+import threading
+
 from .._fix import Scenario, releases
 from .._patch import moved_globals_fix
+from .._selftest import Result
 
 MODULE = "torch._export.serde.serialize"
+
+
+def export_load_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A is inside ``torch.export.load`` (held at its first torch function once torch's
+    deserializer is at work, by a ``TorchFunctionMode`` of that thread), the main thread loads the same
+    program: both must load. None where torch has no deserializer global to hold a load at (before 2.3)."""
+    import io
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    export = getattr(torch, "export", None)
+    if export is None or not hasattr(export, "load"):
+        return None
+    from torch._export.serde import serialize
+
+    if not {"_CURRENT_DESERIALIZER", "_deserializer_tls"} & vars(serialize).keys():
+        return None  # before 2.3: no deserializer global, and no point to hold a load at
+    saved = io.BytesIO()
+    export.save(export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),)), saved)
+
+    inside, release = threading.Event(), threading.Event()
+
+    class HoldInsideLoad(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            # The deserializer torch has at work, as the calling thread sees it (None before 2.3).
+            if not inside.is_set() and getattr(serialize, "_CURRENT_DESERIALIZER", None) is not None:
+                inside.set()
+                release.wait(timeout)
+            return func(*args, **(kwargs or {}))
+
+    def load() -> str:
+        try:
+            export.load(io.BytesIO(saved.getvalue()))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "loaded"
+
+    def held_load() -> str:
+        with HoldInsideLoad():
+            return load()
+
+    held: list[str] = []
+    thread = threading.Thread(target=lambda: held.append(held_load()), name="torchfix-selftest")
+    thread.start()
+    inside.wait(timeout)
+    mine = load()
+    release.set()
+    thread.join(timeout)
+    detail = f"the main thread's load: {mine}; the held thread's: {(held or ['no answer'])[0]}"
+    return Result(
+        "export (torch.export.load in two threads at once)", (held or [""])[0] != "loaded" or mine != "loaded", detail
+    )
+
 
 FIX = moved_globals_fix(
     "export-deserializer",
@@ -28,6 +85,7 @@ FIX = moved_globals_fix(
     MODULE,
     "_deserializer_tls",
     {"_CURRENT_DESERIALIZER": "deserializer"},
+    order=90,
     trigger=MODULE,
-    scenarios=(Scenario("export_load_elsewhere", releases("2.3"), needs="the export deserializer global (2.3+)"),),
+    scenarios=(Scenario(export_load_elsewhere, releases("2.3"), needs="the export deserializer global (2.3+)"),),
 )

@@ -21,6 +21,7 @@ import threading
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
+from .._selftest import Result
 from .._source import Edit, ShapeError, parse, replace_node
 
 MODULE = "torch._export.serde.serialize"
@@ -65,8 +66,60 @@ def _probe() -> str | None:
     return None
 
 
+def export_save_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A is inside ``torch.export.save`` (pickling its example inputs, one of which waits
+    there), thread B saves another program. B must save (with the fix it waits for A's part to be pickled),
+    not raise "Refusing to stomp on existing FakeTensor reducer". None where this torch does not pickle an
+    exported program's example inputs (before 2.4) or cannot export."""
+    import copy
+    import io
+
+    import torch
+
+    if not hasattr(getattr(torch, "export", None), "save"):
+        return None
+    inside, progress, release = threading.Event(), threading.Event(), threading.Event()
+
+    class Held:
+        def __reduce__(self):
+            inside.set()
+            progress.set()
+            release.wait(timeout)
+            return (int, (0,))  # pickled as a plain 0
+
+    program = torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
+    held = copy.copy(program)
+    held._example_inputs = ((Held(),), {})
+    errors: dict[str, str] = {}
+
+    def save(name: str, exported: object) -> None:
+        try:
+            torch.export.save(exported, io.BytesIO())
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            progress.set()
+
+    a = threading.Thread(target=save, args=("A", held), name="torchfix-selftest-a", daemon=True)
+    a.start()
+    progress.wait(timeout)
+    if not inside.is_set():  # A saved without pickling its example inputs
+        a.join(timeout)
+        return None if "A" not in errors else Result("export save", True, f"the held save raised {errors['A']}")
+    b = threading.Thread(target=save, args=("B", program), name="torchfix-selftest-b", daemon=True)
+    b.start()
+    # Without the fix B fails at once; with it, B waits for A's lock until A is released.
+    b.join(2.0)
+    release.set()
+    a.join(timeout)
+    b.join(timeout)
+    detail = "; ".join(f"{name} raised {error[:200]}" for name, error in sorted(errors.items())) or "both saved"
+    return Result("export save (torch.export.save in two threads at once)", bool(errors), detail)
+
+
 FIX = Fix(
     name="export-save",
+    order=100,
     hazard="torch.export.save in two threads at once raises AssertionError: Refusing to stomp on existing "
     "FakeTensor reducer",
     versions=releases("2.3"),
@@ -75,7 +128,7 @@ FIX = Fix(
     trigger=MODULE,
     scenarios=(
         Scenario(
-            "export_save_elsewhere",
+            export_save_elsewhere,
             releases("2.4"),  # the scenario's held save pickles the example inputs, which save writes from 2.4
             needs="an exported program's example inputs pickled on save (2.4+)",
             shows="Refusing to stomp on existing FakeTensor reducer",

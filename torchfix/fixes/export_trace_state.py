@@ -15,8 +15,40 @@ from __future__ import annotations
 
 from .._fix import Scenario, releases
 from .._patch import moved_globals_fix
+from .._selftest import HeldExport, Result, export_call_graph, export_never_held
 
 MODULE = "torch.export._trace"
+
+
+def export_trace_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A is inside ``torch.export.export`` (non-strict: its module's forward runs, and waits
+    there), the main thread exports another module from start to end; then A's export goes on. Both must
+    export, each with its own module call graph. None where this torch cannot export non-strict."""
+    import torch
+
+    if not hasattr(getattr(torch, "export", None), "export"):
+        return None
+    scenario = "export trace (torch.export.export in two threads at once)"
+
+    class Other(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.other = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.other(x)
+
+    with HeldExport(timeout) as held:
+        if not held.inside:
+            return export_never_held(held, scenario)
+        mine = export_call_graph(Other())
+    theirs = held.outcome
+    # Wrong: an export failed, or its call graph names the other thread's module.
+    wrong = any(graph.startswith(("raised", "no answer")) for graph in (mine, theirs))
+    wrong = wrong or "held" in mine.split(",") or "other" in theirs.split(",")
+    detail = f"module call graphs: the main thread's {mine!r}, the held thread's {theirs!r}"
+    return Result(scenario, wrong, detail)
+
 
 FIX = moved_globals_fix(
     "export-trace-state",
@@ -26,7 +58,8 @@ FIX = moved_globals_fix(
     MODULE,
     "_export_trace_tls",
     {"_EXPORT_FLAGS": "flags", "_EXPORT_MODULE_HIERARCHY": "module_hierarchy"},
+    order=120,
     optional=frozenset({"_EXPORT_MODULE_HIERARCHY"}),
     trigger=MODULE,
-    scenarios=(Scenario("export_trace_elsewhere", releases("2.4"), needs="non-strict export", stage=3),),
+    scenarios=(Scenario(export_trace_elsewhere, releases("2.4"), needs="non-strict export", stage=3),),
 )

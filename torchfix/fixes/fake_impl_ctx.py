@@ -14,27 +14,87 @@ The global moves to a ``threading.local`` with :class:`ThreadLocalGlobals`.
 
 from __future__ import annotations
 
+import importlib.util
+import threading
+
 from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
+from .._selftest import Result
 
 HOLDER = "_ctx_getter_tls"
 GETTER = "global_ctx_getter"
+MODULES = ("torch._library.fake_impl", "torch._library.abstract_impl")  # torch 2.5 renamed abstract_impl
 
 
 def _module(torch_version: str) -> str:
-    """torch 2.5 renamed abstract_impl to fake_impl."""
-    return "torch._library." + ("fake_impl" if minor_release(torch_version) >= (2, 5) else "abstract_impl")
+    return MODULES[0] if minor_release(torch_version) >= (2, 5) else MODULES[1]
 
 
 def _probe() -> str | None:
-    import torch
+    # By the module this torch has, not by its version (which may be any string).
+    try:
+        module = MODULES[0] if importlib.util.find_spec(MODULES[0]) else MODULES[1]
+    except ModuleNotFoundError:
+        return "this torch has no torch._library (before torch 2.2)"
+    return moved_global_probe(module, HOLDER, GETTER, f"{module} has no {GETTER}")()
 
-    module = _module(str(torch.__version__))
-    return moved_global_probe(module, HOLDER, GETTER, f"{module} has no {GETTER} (before torch 2.2)")()
+
+_HELD_FAKE_OP: list[object] = []  # the scenario's custom operator: registered once per process
+
+
+def fake_impl_ctx_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A runs a custom operator's fake implementation (under a FakeTensorMode; it waits there),
+    the main thread, which runs none, calls ``torch.library.get_ctx()``: it must get no context (None), not
+    A's. None where torch has no ``torch.library.custom_op`` (before 2.4)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not hasattr(torch.library, "custom_op") or not hasattr(torch.library, "get_ctx"):
+        return None
+    inside, release = threading.Event(), threading.Event()
+    if not _HELD_FAKE_OP:
+        # The schema is given: this file's annotations are strings (from __future__), which custom_op cannot read.
+        @torch.library.custom_op("torchfix_selftest::held_fake", mutates_args=(), schema="(Tensor x) -> Tensor")
+        def held_fake(x):
+            return x.clone()
+
+        _HELD_FAKE_OP.append(held_fake)
+    op = _HELD_FAKE_OP[0]
+
+    def fake(x):
+        inside.set()
+        release.wait(timeout)
+        return torch.empty_like(x)
+
+    op.register_fake(fake)  # replaces the previous run's (its events are spent)
+    errors: list[str] = []
+
+    def run_fake() -> None:
+        try:
+            with FakeTensorMode() as mode:
+                op(mode.from_tensor(torch.ones(2)))
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=run_fake, name="torchfix-selftest", daemon=True)
+    thread.start()
+    if not inside.wait(timeout):
+        thread.join(timeout)
+        return Result("fake impl ctx", True, f"the fake implementation never ran: {errors}")
+    seen = torch.library.get_ctx()
+    release.set()
+    thread.join(timeout)
+    detail = f"the main thread's get_ctx(): {type(seen).__name__}" + (f"; A raised {errors[0]}" if errors else "")
+    return Result(
+        "fake impl ctx (get_ctx() while another thread runs a fake implementation)",
+        seen is not None or bool(errors),
+        detail,
+    )
 
 
 FIX = Fix(
     name="fake-impl-ctx",
+    order=160,
     hazard="torch.library.get_ctx() in one thread returns the fake-implementation context of another thread",
     versions=releases("2.2"),
     probe=_probe,
@@ -48,7 +108,7 @@ FIX = Fix(
     ],
     scenarios=(
         Scenario(
-            "fake_impl_ctx_elsewhere",
+            fake_impl_ctx_elsewhere,
             releases("2.4"),
             needs="torch.library.custom_op (2.4+)",
             shows="FakeImplCtx",

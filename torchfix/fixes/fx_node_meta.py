@@ -22,8 +22,11 @@ the global).
 
 from __future__ import annotations
 
+import threading
+
 from .._fix import Fix, Scenario, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
+from .._selftest import Result
 
 MODULE = "torch.fx.traceback"
 HOLDER = "_node_meta_tls"
@@ -35,8 +38,34 @@ GLOBALS = {
 }
 
 
+def node_meta_elsewhere(timeout: float = 60.0) -> Result:
+    """While thread A records node metadata (``preserve_node_meta()`` and a stack trace, as Dynamo and
+    AOTAutograd do for every graph they build), what the main thread's FX graphs would record: nothing."""
+    from torch.fx import traceback as fx_traceback
+
+    marker = "torchfix-selftest stack\n"
+    inside, release = threading.Event(), threading.Event()
+
+    def record() -> None:
+        with fx_traceback.preserve_node_meta():
+            fx_traceback.set_stack_trace([marker])
+            inside.set()
+            release.wait(timeout)
+
+    thread = threading.Thread(target=record, name="torchfix-selftest")
+    thread.start()
+    inside.wait(timeout)
+    preserved, meta = fx_traceback.has_preserved_node_meta(), fx_traceback.get_current_meta()
+    release.set()
+    thread.join(timeout)
+    leaked = preserved or marker in str(meta.get("stack_trace"))
+    detail = f"has_preserved_node_meta() {preserved}; stack_trace {meta.get('stack_trace')!r}"
+    return Result("node meta (recorded in one thread, read by another thread's graphs)", leaked, detail)
+
+
 FIX = Fix(
     name="fx-node-meta",
+    order=80,
     hazard="while one thread traces with node metadata (preserve_node_meta, set_current_meta), other threads' "
     "FX graphs get its stack traces and metadata",
     versions=releases("2.0"),
@@ -52,5 +81,5 @@ FIX = Fix(
     ],
     trigger=MODULE,
     # Stage 1: without the fix, torch 2.2 keeps the recorded meta in the process after the scenario.
-    scenarios=(Scenario("node_meta_elsewhere", releases("2.0"), stage=1),),
+    scenarios=(Scenario(node_meta_elsewhere, releases("2.0"), stage=1),),
 )

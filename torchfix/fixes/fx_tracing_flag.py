@@ -18,11 +18,13 @@ from __future__ import annotations
 import ast
 import contextlib
 import sys
+import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .._fix import Fix, Scenario, releases
 from .._patch import AttributeUses, SourcePatch, ThreadLocalGlobals
+from .._selftest import HeldTrace, Result, call_compiled, compiled_add_one
 from .._source import Edit, ShapeError, definitions, insert_at, nested_function, parse
 
 MODULE = "torch.fx._symbolic_trace"
@@ -140,8 +142,116 @@ def _probe() -> str | None:
     return f"{MODULE} has no global {FLAG}"
 
 
+def h1_nested_trace_error(
+    tracer: str = "symbolic_trace", timeout: float = 60.0, compiled: Callable | None = None
+) -> Result:
+    """H1: while thread A traces, a compiled call in thread B raises (or runs eagerly).
+
+    ``compiled`` may be a function the caller compiled earlier (before ``import torchfix``, say).
+    """
+    compiled = compiled or compiled_add_one()
+    with HeldTrace(tracer, timeout):
+        error = call_compiled(compiled)
+    return Result(f"H1 ({tracer} in one thread, compiled call in another)", error is not None, error or "ok")
+
+
+def _find_set_compilation_env() -> Callable | None:
+    """torch's ``_set_compilation_env`` (2.2+), None where there is none."""
+    import importlib
+
+    for module in ("torch._higher_order_ops.utils", "torch._higher_order_ops.cond"):  # 2.3+, 2.2
+        try:
+            found = getattr(importlib.import_module(module), "_set_compilation_env", None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _fx_flag() -> bool:
+    import torch.fx._symbolic_trace as st
+
+    # torch 2.14+ (and torchfix) have the accessor; before, the plain global.
+    getter = getattr(st, "_get_is_fx_tracing", None)
+    return bool(getter() if getter else st._is_fx_tracing_flag)
+
+
+def _flag_in_new_thread() -> bool:
+    seen: list[bool] = []
+    thread = threading.Thread(target=lambda: seen.append(_fx_flag()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def h2_stuck_flag(timeout: float = 60.0) -> Result | None:
+    """H2: ``_set_compilation_env`` interleaved with a trace leaves the flag stuck True for everyone.
+
+    None where torch has no ``_set_compilation_env`` (before 2.2).
+    """
+    set_compilation_env = _find_set_compilation_env()
+    if set_compilation_env is None:
+        return None
+    compiled = compiled_add_one()
+    held = HeldTrace("symbolic_trace", timeout).__enter__()  # A: flag True
+    with set_compilation_env():  # B: saves True, sets False
+        held.__exit__(None, None, None)  # A: restores False
+    # B restored what it saved: the flag of a trace that has ended.
+    stuck = _fx_flag() or _flag_in_new_thread()
+    error = call_compiled(compiled)
+    detail = f"flag stuck True after both finished; next compiled call: {error}" if stuck else "ok"
+    return Result("H2 (_set_compilation_env interleaved with a trace)", stuck or error is not None, detail)
+
+
+def many_threads(rounds: int = 20, callers: int = 4, timeout: float = 60.0) -> Result:
+    """H1 under load: in each round one thread traces (symbolic_trace and make_fx in turn) while
+    ``callers`` threads each make a compiled call; a barrier makes every call land inside the trace.
+    """
+    compiled = compiled_add_one()
+    errors: list[str] = []
+    failures: list[BaseException] = []
+    inside = threading.Barrier(callers + 1, timeout=timeout)
+    done = threading.Barrier(callers + 1, timeout=timeout)
+
+    def caller() -> None:
+        try:
+            for _ in range(rounds):
+                inside.wait()
+                error = call_compiled(compiled)
+                if error:
+                    errors.append(error)
+                done.wait()
+        except BaseException as exc:
+            failures.append(exc)
+            inside.abort()
+            done.abort()
+
+    threads = [threading.Thread(target=caller, name=f"caller-{i}", daemon=True) for i in range(callers)]
+    for thread in threads:
+        thread.start()
+    try:
+        for round_no in range(rounds):
+            held = HeldTrace("symbolic_trace" if round_no % 2 == 0 else "make_fx", timeout)
+            with held:
+                inside.wait()
+                done.wait()
+    finally:
+        for thread in threads:
+            thread.join(timeout)
+    if failures:
+        raise failures[0]
+    calls = rounds * callers
+    return Result(
+        f"H1 x{calls} ({callers} threads calling while another traces, {rounds} rounds)",
+        bool(errors),
+        f"{len(errors)} of {calls} compiled calls failed" if errors else f"all {calls} compiled calls ran",
+    )
+
+
 FIX = Fix(
     name="fx-tracing-flag",
+    order=10,
     hazard="one thread's FX trace (symbolic_trace, make_fx, AOTAutograd) breaks compiled calls in other threads",
     versions=releases("2.0", "2.13"),
     probe=_probe,
@@ -152,10 +262,8 @@ FIX = Fix(
         _CheckpointRecompute(),
     ],
     scenarios=(
-        Scenario("h1_nested_trace_error", releases("2.0", "2.13"), args=("symbolic_trace",)),
-        Scenario("h1_nested_trace_error", releases("2.0", "2.13"), args=("make_fx",)),
-        Scenario(
-            "h2_stuck_flag", releases("2.2", "2.13"), needs="torch._dynamo's _set_compilation_env (2.2+)", stage=1
-        ),
+        Scenario(h1_nested_trace_error, releases("2.0", "2.13"), args=("symbolic_trace",)),
+        Scenario(h1_nested_trace_error, releases("2.0", "2.13"), args=("make_fx",)),
+        Scenario(h2_stuck_flag, releases("2.2", "2.13"), needs="torch._dynamo's _set_compilation_env (2.2+)", stage=1),
     ),
 )

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 
 from .._defaults import _DefaultChange
 from .._fix import Fix, Scenario, releases
+from .._selftest import Result, in_thread
 from .._source import ShapeError
 
 MODULE = "torch._dynamo.eval_frame"
@@ -93,13 +95,33 @@ def _probe() -> str | None:
     return None
 
 
+def guarded_backends_elsewhere(timeout: float = 60.0) -> Result:
+    """The main thread compiles a function; a new thread compiles and calls it with another
+    ``torch.compile`` (another backend object): the call must run, not fail the first compile's guard with
+    ``KeyError`` (torch 2.2 keeps the backends guards look up per thread)."""
+    import torch
+
+    def triple(x):
+        return x * 3
+
+    def backend() -> Callable:
+        return lambda gm, example_inputs: gm.forward  # a new object each time: guards tell them apart
+
+    torch.compile(triple, backend=backend())(torch.ones(2))
+    outcome = in_thread(lambda: torch.compile(triple, backend=backend())(torch.ones(2)), timeout)
+    failed = isinstance(outcome, BaseException)
+    detail = f"raised {type(outcome).__name__}: {outcome}" if failed else "ran"
+    return Result("guarded backends (compiled in one thread, compiled again and called in another)", failed, detail)
+
+
 FIX = Fix(
     name="guarded-backends",
+    order=70,
     hazard="code compiled in one thread fails its guard with KeyError in another thread that compiled the same "
     "function with another torch.compile (torch 2.2)",
     versions=releases("2.2", "2.2"),
     probe=_probe,
     patches=lambda _torch_version: [_ShareCachedBackends()],
     trigger=MODULE,
-    scenarios=(Scenario("guarded_backends_elsewhere", releases("2.2", "2.2"), shows="KeyError"),),
+    scenarios=(Scenario(guarded_backends_elsewhere, releases("2.2", "2.2"), shows="KeyError"),),
 )

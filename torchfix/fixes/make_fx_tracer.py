@@ -15,8 +15,52 @@ The global moves to a ``threading.local`` (``proxy_tensor._make_fx_tracer_tls``)
 
 from __future__ import annotations
 
+import threading
+
 from .._fix import Scenario, releases
 from .._patch import moved_globals_fix
+from .._selftest import HeldTrace, Result
+
+
+def make_fx_tracer_elsewhere(timeout: float = 60.0) -> Result | None:
+    """Thread A holds a ``make_fx`` trace open; thread B starts one of a function with ``torch.cond`` and
+    waits inside it; A finishes; then B's ``torch.cond`` traces. B must trace the cond with its own tracer,
+    and no tracer may be left behind once both are done. None where torch has no make_fx tracer global
+    (before 2.4)."""
+    import torch
+    from torch.fx.experimental import proxy_tensor
+
+    if not hasattr(proxy_tensor, "_set_make_fx_tracer") or not hasattr(torch, "cond"):
+        return None
+    inside, go_on = threading.Event(), threading.Event()
+    problems: list[str] = []
+
+    def with_cond(x):
+        inside.set()
+        go_on.wait(timeout)
+        return torch.cond(x.sum() > 0, lambda y: y.sin(), lambda y: y.cos(), (x,))
+
+    def trace() -> None:
+        try:
+            ops = [node.target for node in proxy_tensor.make_fx(with_cond)(torch.ones(2)).graph.nodes]
+            if torch.ops.higher_order.cond not in ops:
+                problems.append(f"B's graph has no cond: {ops}")
+        except Exception as exc:
+            problems.append(f"B raised {type(exc).__name__}: {str(exc)[:200]}")
+
+    held = HeldTrace("make_fx", timeout).__enter__()
+    b = threading.Thread(target=trace, name="torchfix-selftest", daemon=True)
+    b.start()
+    inside.wait(timeout)
+    held.__exit__(RuntimeError, None, None)  # A finishes while B traces; its errors are collected here
+    problems += [f"A raised {exc!r}" for exc in held.errors]
+    go_on.set()
+    b.join(timeout)
+    if getattr(proxy_tensor, "_CURRENT_MAKE_FX_TRACER", None) is not None:
+        problems.append("a finished tracer was left behind")
+    detail = "; ".join(problems) or "both traced"
+    return Result("make_fx tracer (two threads tracing with make_fx at once)", bool(problems), detail)
+
 
 FIX = moved_globals_fix(
     "make-fx-tracer",
@@ -26,9 +70,10 @@ FIX = moved_globals_fix(
     "torch.fx.experimental.proxy_tensor",
     "_make_fx_tracer_tls",
     {"_CURRENT_MAKE_FX_TRACER": "tracer"},
+    order=150,
     scenarios=(
         Scenario(
-            "make_fx_tracer_elsewhere",
+            make_fx_tracer_elsewhere,
             releases("2.4"),
             needs="a make_fx tracer global (2.4+)",
             shows="Cannot reenter",

@@ -17,8 +17,34 @@ from __future__ import annotations
 
 from .._fix import Scenario, releases
 from .._patch import moved_globals_fix
+from .._selftest import HeldExport, Result, export_never_held
 
 STACK = "_mode_stack_state_for_pre_dispatch"
+
+
+def pre_dispatch_elsewhere(timeout: float = 60.0) -> Result | None:
+    """While thread A is inside a non-strict ``torch.export.export`` (pre-dispatch tracing, its forward
+    waiting there), the main thread counts the modes on its pre-dispatch stack and runs ``torch.cond``
+    eagerly; then A's export goes on. The main thread's stack must be empty, its ``torch.cond`` must run, and
+    A must export. None where this torch has no pre-dispatch mode stack or no non-strict export."""
+    import torch
+
+    if not hasattr(torch._ops, "_len_torch_dispatch_stack_pre_dispatch") or not hasattr(torch, "cond"):
+        return None
+    scenario = "pre-dispatch modes (eager torch.cond in one thread while another exports)"
+    with HeldExport(timeout) as held:
+        if not held.inside:
+            return export_never_held(held, scenario)
+        modes = torch._ops._len_torch_dispatch_stack_pre_dispatch()
+        try:
+            torch.cond(torch.tensor(True), lambda x: x.sin(), lambda x: x.cos(), (torch.ones(2),))
+            cond = "ran"
+        except Exception as exc:
+            cond = f"raised {type(exc).__name__}: {str(exc)[:200]}"
+    wrong = modes != 0 or cond != "ran" or held.outcome.startswith(("raised", "no answer"))
+    detail = f"modes on the main thread's stack: {modes}; its torch.cond {cond}; the held export: {held.outcome[:300]}"
+    return Result(scenario, wrong, detail)
+
 
 FIX = moved_globals_fix(
     "pre-dispatch-modes",
@@ -28,10 +54,11 @@ FIX = moved_globals_fix(
     "torch._ops",
     "_pre_dispatch_tls",
     {STACK: "mode_stack"},
+    order=130,
     own=frozenset({STACK}),
     scenarios=(
         Scenario(
-            "pre_dispatch_elsewhere",
+            pre_dispatch_elsewhere,
             releases("2.4"),  # torch.export.export pushes onto the stack from 2.4 (2.3: only make_fx pre_dispatch)
             needs="a pre-dispatch mode stack and non-strict export",
             shows="modes on the main thread's stack: 1;",

@@ -39,6 +39,7 @@ import wrapt
 
 from .._fix import Fix, Scenario, releases
 from .._patch import ThreadLocalGlobals
+from .._selftest import MODULE_GRAPH, HeldTrace, Result, graph_ops, module_around
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch.fx._symbolic_trace"
@@ -270,15 +271,103 @@ def _probe() -> str | None:
     return None
 
 
+def _module_slots() -> dict[str, object]:
+    """What ``Tracer.trace`` patches on ``nn.Module``: must be the originals again once no trace runs."""
+    import torch
+
+    return {name: vars(torch.nn.Module)[name] for name in ("__call__", "__getattr__")}
+
+
+def h4_trace_patches_leak(action: str, timeout: float = 60.0) -> Result | None:
+    """H4: thread A holds a ``symbolic_trace`` of a module open while the main thread does ``action``:
+
+    * ``eager_module``: calls a module eagerly (without the fix it runs A's patched ``Module.__call__``);
+    * ``symbolic_trace``: a third thread starts its own trace, held open until A has finished (they overlap
+      without nesting: without the fix A reverts B's patcher, B finds ``CURRENT_PATCHER`` None);
+    * ``cond``: runs ``torch.cond`` eagerly (it compiles its branches with Dynamo).
+
+    The hazard shows as an error in either thread, a wrong graph, or ``nn.Module`` left patched.
+    None for ``cond`` where torch has no ``torch.cond``.
+    """
+    import torch
+
+    if action == "cond" and not hasattr(torch, "cond"):
+        return None
+    slots = _module_slots()
+    errors: list[str] = []
+    graphs: list[list[str]] = []
+    held = HeldTrace("symbolic_trace_module", timeout).__enter__()
+    other: HeldTrace | None = None
+    try:
+        if action == "eager_module":
+            torch.nn.Linear(2, 2)(torch.ones(2))
+        elif action == "symbolic_trace":
+            other = HeldTrace("symbolic_trace_module", timeout).__enter__()
+        else:
+            torch.cond(torch.tensor(True), lambda x: x.sin(), lambda x: x.cos(), (torch.ones(2),))  # 2.2: no builtins
+    except Exception as exc:
+        errors.append(f"main thread: {exc!r}")
+    for trace in (held, other):  # A finishes first
+        if trace is not None:
+            trace.__exit__(RuntimeError, None, None)  # errors are collected here, not raised
+            errors += [f"{trace.thread.name}: {exc!r}" for exc in trace.errors]
+            graphs.append(trace.graph_ops)
+    wrong = [ops for ops in graphs if ops != MODULE_GRAPH]
+    leaked = [name for name, value in _module_slots().items() if value is not slots[name]]
+    problems = errors + [f"wrong graph {ops}" for ops in wrong] + [f"nn.Module.{name} left patched" for name in leaked]
+    return Result(f"H4 ({action} in one thread while another traces)", bool(problems), "; ".join(problems) or "ok")
+
+
+def concurrent_tracers(threads: int = 4, rounds: int = 5, timeout: float = 60.0) -> Result:
+    """H4 under load: ``threads`` threads ``symbolic_trace`` a module at once, every round; a barrier inside
+    the traced code makes all of them be inside their traces together, and they finish in any order.
+    """
+    slots = _module_slots()
+    barrier = threading.Barrier(threads, timeout=timeout)
+    problems: list[str] = []
+
+    def in_every_trace(x):
+        barrier.wait()
+        return x + 1
+
+    def tracer() -> None:
+        for _ in range(rounds):
+            try:
+                ops = graph_ops(module_around(in_every_trace))
+                if ops != MODULE_GRAPH:
+                    problems.append(f"wrong graph {ops}")
+            except threading.BrokenBarrierError:
+                return  # another thread failed first and broke the barrier; its error is recorded
+            except Exception as exc:
+                problems.append(repr(exc))
+                barrier.abort()
+                return
+
+    workers = [threading.Thread(target=tracer, name=f"tracer-{i}", daemon=True) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout)
+    if any(worker.is_alive() for worker in workers):
+        raise TimeoutError("a tracer thread did not finish")
+    problems += [
+        f"nn.Module.{name} left patched" for name, value in _module_slots().items() if value is not slots[name]
+    ]
+    traces = threads * rounds
+    detail = f"{len(problems)} problem(s): {'; '.join(problems[:3])}" if problems else f"all {traces} traces correct"
+    return Result(f"H4 x{traces} ({threads} threads tracing at once, {rounds} rounds)", bool(problems), detail)
+
+
 FIX = Fix(
     name="trace-patch-isolation",
+    order=30,
     hazard="an FX trace in one thread patches nn.Module.__call__/__getattr__ and wrapped functions for every thread",
     versions=releases("2.0"),
     probe=_probe,
     patches=lambda _torch_version: [_IsolationPatch()],
     scenarios=(
-        Scenario("h4_trace_patches_leak", releases("2.0"), args=("eager_module",)),
-        Scenario("h4_trace_patches_leak", releases("2.0"), args=("cond",), needs="torch.cond", stage=1),
-        Scenario("h4_trace_patches_leak", releases("2.0"), args=("symbolic_trace",), stage=1),
+        Scenario(h4_trace_patches_leak, releases("2.0"), args=("eager_module",)),
+        Scenario(h4_trace_patches_leak, releases("2.0"), args=("cond",), needs="torch.cond", stage=1),
+        Scenario(h4_trace_patches_leak, releases("2.0"), args=("symbolic_trace",), stage=1),
     ),
 )
