@@ -1,10 +1,11 @@
 """Patches of a name that act only in the thread that made them: a per-thread dispatcher in the patched slot.
 
 Some torch code patches a function for the whole process while it works, by writing into a class or a module
-dict, and puts the original back at its end: ``Tracer.trace`` patches ``nn.Module.__call__`` (trace-patch-isolation).
-Every other thread then runs the patch, and two threads patching one slot restore each
-other's values out of order. A fix rewrites those writes to a :class:`ThreadPatches` (the torch module holds it as a
-helper, one per fix):
+dict, and puts the original back at its end: ``Tracer.trace`` patches ``nn.Module.__call__`` and the traced code's
+globals (trace-patch-isolation), ``torch.compiler._patch_engine_backward()`` patches
+``torch.autograd._engine_run_backward`` (autograd-entry-patches). Every other thread then runs the patch, and two
+threads patching one slot restore each other's values out of order. A fix rewrites those writes to a
+:class:`ThreadPatches` (the torch module holds it as a helper, one per fix):
 
 * the first thread to patch a slot (one name in one class or module dict) puts a dispatcher function there; each
   thread keeps its own stack of patches per slot; the dispatcher calls the calling thread's latest patch, or the
@@ -13,8 +14,10 @@ helper, one per fix):
 * reads of the slot by the patching code itself (the original it wraps) go through :meth:`ThreadPatches.current`,
   the calling thread's view, never another thread's patch or the dispatcher.
 
-Each fix has an instance of its own (fresh when it is applied, gone when it is reverted); no two fixes patch one
-slot. Every dispatcher runs one code object, which Dynamo is told to skip (:func:`skip_in_dynamo_when_imported`).
+Each fix has an instance of its own, fresh when it is applied and gone when it is reverted, so that one fix's
+uninstall cannot leave stale slots in another's. Their slots differ (``nn.Module``'s methods and the globals of
+traced code; ``torch.autograd``'s functions). Every dispatcher runs one code object, which Dynamo is told to skip
+(:func:`skip_in_dynamo_when_imported`).
 """
 
 from __future__ import annotations
