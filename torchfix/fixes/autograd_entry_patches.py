@@ -28,9 +28,11 @@ torch's function there, without the hooks (debug metadata only); and Dynamo, com
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import threading
 import types
+import warnings
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
@@ -198,7 +200,11 @@ class _InContext:
     def _run(self) -> None:
         torch = self.backward.torch
         try:
-            with torch.compiler._non_strict_tracing_context(), getattr(torch.compiler, self.backward.context)():
+            with contextlib.ExitStack() as contexts:
+                with warnings.catch_warnings():  # 2.13+: "_patch_autograd_grad() is deprecated", in the doctor's output
+                    warnings.filterwarnings("ignore", "torch.compiler._patch_autograd_grad")
+                    contexts.enter_context(torch.compiler._non_strict_tracing_context())
+                    contexts.enter_context(getattr(torch.compiler, self.backward.context)())
                 self.inside.set()
                 self.release.wait(self.timeout)
                 self.answers.append(self.backward.run("its wrapper"))
