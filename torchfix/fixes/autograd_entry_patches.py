@@ -188,7 +188,7 @@ class _Backward:
 
 class _InContext:
     """A thread inside ``_non_strict_tracing_context()`` and the context (its non-strict trace), until released;
-    then it runs the backward there. ``outcome`` is what that went through."""
+    then it runs the backward there. :meth:`end` releases it and says what that backward went through."""
 
     def __init__(self, backward: _Backward, timeout: float) -> None:
         self.backward, self.timeout = backward, timeout
