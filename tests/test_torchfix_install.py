@@ -1,7 +1,7 @@
 """Import orderings and the install/uninstall lifecycle, each in a fresh interpreter."""
 
 import pytest
-from conftest import HAS_H1, HAS_H3, HAS_H4, HAS_RECHECK_FIX, SCENARIOS, run_ok
+from conftest import HAS_H1, HAS_H3, HAS_H4, HAS_RECHECK_FIX, SCENARIOS, hazard_here, run_ok
 
 needs_h1 = pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ keeps the FX flag per thread itself")
 
@@ -202,6 +202,48 @@ print(json.dumps({"patched": patched, "restored": cf.CatchErrorsWrapper.__call__
                   "helper": "_compile_unless_cached" in vars(cf)}))
 """).json()
     assert ran == {"patched": True, "restored": True, "helper": False}
+
+
+@pytest.mark.skipif(
+    not hazard_here("compiled_autograd_region_elsewhere"), reason="in_compiled_autograd_region exists from torch 2.5"
+)
+def test_compiled_autograd_graphs_cached_before_install_or_uninstall_still_run():
+    # Compiled autograd keeps each graph's runtime_wrapper, a closure made by the patched file, in its C++ cache;
+    # compiled-autograd-region empties that cache when it applies and reverts. Without that, a graph cached before
+    # `import torchfix` writes the global back into the module, and one cached with it raises NameError (the
+    # holder is gone) after uninstall.
+    ran = run_ok("""
+import json
+import torch
+import torch._dynamo.compiled_autograd as ca
+enable = getattr(ca, "_enable", None) or ca.enable  # enable: 2.5
+seen = []
+def compiler(gm):
+    def run(*args):
+        seen.append(ca.in_compiled_autograd_region)
+        return gm(*args)
+    return run
+def step():
+    w = torch.ones(2, requires_grad=True)
+    with enable(compiler):
+        (w * 2).sum().backward()
+    return w.grad.tolist()
+found = {"before": step()}
+import torchfix
+found["installed"] = step()
+found["global back in the module"] = "in_compiled_autograd_region" in vars(ca)
+torchfix.uninstall()
+found["uninstalled"] = step()
+found["seen inside the graphs"] = seen
+print(json.dumps(found))
+""").json()
+    assert ran == {
+        "before": [2.0, 2.0],
+        "installed": [2.0, 2.0],
+        "global back in the module": False,
+        "uninstalled": [2.0, 2.0],
+        "seen inside the graphs": [True, True, True],
+    }
 
 
 def test_the_tests_know_the_newest_checked_release():

@@ -11,12 +11,10 @@ traces trip "AssertionError: CURRENT_PATCHER is None in finally block" or revert
 (``_maybe_revert_all_patches``, entered by Dynamo for every frame it compiles). Present in every release
 up to 2.15 (upstream pytorch/pytorch#187589 is not in a release yet).
 
-The fix routes every patch through ``_thread_patches``, a per-slot dispatcher (a slot is one name in one
-class or module dict):
+The fix routes every patch through ``_thread_patches``, a per-slot dispatcher (``ThreadPatches`` of
+``fixes/_thread_patches.py``, shared with autograd-entry-patches: a slot is one name in one class or module dict;
+other threads run the originals, and the last thread to revert restores them):
 
-* the first thread to patch a slot puts a dispatcher function there; each thread keeps its own stack of
-  patches per slot; the dispatcher calls the calling thread's latest patch, or the original when that
-  thread has none, so other threads run the originals; the last thread to revert restores the original;
 * the tracer's own reads of a slot (the deduplication check, the original it wraps, the autowrap scan)
   see the calling thread's view, never another thread's patch or the dispatcher;
 * ``CURRENT_PATCHER`` (2.5+) becomes per-thread.
@@ -29,139 +27,18 @@ The edits replace one statement or expression each, on its own line, in ``_Patch
 from __future__ import annotations
 
 import ast
-import builtins
 import sys
 import threading
 import types
-from collections.abc import Callable
-
-import wrapt
 
 from .._fix import Fix, Scenario, releases
 from .._patch import ThreadLocalGlobals
 from .._selftest import MODULE_GRAPH, HeldTrace, Result, graph_ops, module_around
 from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ._thread_patches import ThreadPatches, skip_in_dynamo_when_imported
 
 MODULE = "torch.fx._symbolic_trace"
 HELPER = "_thread_patches"
-_ABSENT = object()
-
-
-class _Slot:
-    """One patched name of one owner (a module dict, or a class) while any thread has it patched."""
-
-    def __init__(self, owner: dict | type, name: str) -> None:
-        self.owner, self.name = owner, name
-        self.saved = owner.get(name, _ABSENT) if isinstance(owner, dict) else vars(owner).get(name, _ABSENT)
-        if isinstance(owner, dict):  # a name absent from a module dict resolves to the builtin (_PatchedFnDel)
-            self.original = getattr(builtins, name) if self.saved is _ABSENT else self.saved
-        else:
-            self.original = getattr(owner, name)  # may be inherited
-        self.patches = 0  # over all threads
-
-    def write(self, value: object) -> None:
-        if isinstance(self.owner, dict):
-            self.owner[self.name] = value
-        else:
-            setattr(self.owner, self.name, value)
-
-    def restore(self) -> None:
-        if self.saved is not _ABSENT:
-            self.write(self.saved)
-        elif isinstance(self.owner, dict):
-            del self.owner[self.name]
-        else:
-            delattr(self.owner, self.name)
-
-
-class ThreadPatches:
-    """The tracer's patches, kept per thread; what torch's ``_symbolic_trace`` calls instead of writing slots."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._slots: dict[tuple[int, str], _Slot] = {}
-        self._local = threading.local()
-
-    def _stack(self, key: tuple[int, str]) -> list[Callable]:
-        stacks = self._local.__dict__.setdefault("stacks", {})
-        return stacks.setdefault(key, [])
-
-    def set(self, owner: dict | type, name: str, new_fn: Callable) -> None:
-        """Patch ``owner[name]`` (``owner.name`` for a class) for the calling thread only."""
-        key = (id(owner), name)
-        with self._lock:
-            slot = self._slots.get(key)
-            if slot is None:
-                slot = self._slots[key] = _Slot(owner, name)
-                slot.write(self._dispatcher(key, slot))
-            slot.patches += 1
-            self._stack(key).append(new_fn)
-
-    def _dispatcher(self, key: tuple[int, str], slot: _Slot) -> Callable:
-        # A plain function, so that as a class attribute (Module.__call__) it binds like the original.
-        def dispatch(*args: object, **kwargs: object) -> object:
-            return (self._top(key) or slot.original)(*args, **kwargs)
-
-        # Where Dynamo traces a call to it (eager torch.cond compiles its branches while another thread
-        # traces), it inlines this instead, as it does for torch.compile's own wrappers: the original.
-        if isinstance(slot.original, types.FunctionType):
-            dispatch._torchdynamo_inline = slot.original
-        return dispatch
-
-    def unset(self, owner: dict | type, name: str) -> None:
-        """Undo the calling thread's latest patch of the slot (a thread's patchers nest, so it is theirs)."""
-        key = (id(owner), name)
-        with self._lock:
-            stack = self._stack(key)
-            if not stack:
-                return
-            stack.pop()
-            slot = self._slots[key]
-            slot.patches -= 1
-            if slot.patches == 0:
-                slot.restore()
-                del self._slots[key]
-
-    def _top(self, key: tuple[int, str]) -> Callable | None:
-        stack = self._local.__dict__.get("stacks", {}).get(key)
-        return stack[-1] if stack else None
-
-    def current(self, owner: dict | type, name: str) -> object:
-        """``owner[name]`` (``getattr(owner, name)``) as the calling thread sees it: its patch, or the original."""
-        slot = self._slots.get((id(owner), name))
-        if slot is None:
-            return owner[name] if isinstance(owner, dict) else getattr(owner, name)
-        return self._top((id(owner), name)) or slot.original
-
-    def items(self, frame_dict: dict) -> list[tuple[str, object]]:
-        """``frame_dict.items()`` as the calling thread sees them (a list: the caller patches the dict)."""
-        return [(name, self.current(frame_dict, name)) for name in list(frame_dict)]
-
-
-# Every dispatcher runs this code object. Dynamo must run it as plain Python, like the torch code it
-# stands in for: it cannot trace a threading.local, and would compile it as a frame of its own for each
-# module it forwards to (torch <= 2.2 runs compiled graphs through Module.__call__).
-_DISPATCH_CODE = next(c for c in ThreadPatches._dispatcher.__code__.co_consts if isinstance(c, types.CodeType))
-
-
-def _skip_in_dynamo(eval_frame: types.ModuleType) -> None:
-    eval_frame.skip_code(_DISPATCH_CODE)
-
-
-_skip_hook_registered = False  # one post-import hook per process, however often the fix is installed
-
-
-def _skip_in_dynamo_when_imported() -> None:
-    """Skip the dispatcher in Dynamo now, or when Dynamo is imported. A skipped code object stays skipped
-    after uninstall, which is harmless (nothing runs it then); wrapt cannot remove a hook, so it is
-    registered once rather than once per install."""
-    global _skip_hook_registered
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None:
-        _skip_in_dynamo(eval_frame)
-    elif not _skip_hook_registered:
-        _skip_hook_registered = True
-        wrapt.register_post_import_hook(_skip_in_dynamo, "torch._dynamo.eval_frame")
 
 
 def _slot_write(source: str, stmt: ast.stmt) -> tuple[str, str, str | None] | None:
@@ -259,7 +136,7 @@ class _IsolationPatch(ThreadLocalGlobals):
 
     def _install_state(self, module: types.ModuleType, source: str) -> None:
         super()._install_state(module, source)
-        _skip_in_dynamo_when_imported()
+        skip_in_dynamo_when_imported()
 
 
 def _probe() -> str | None:
