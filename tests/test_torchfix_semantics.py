@@ -208,3 +208,50 @@ print(json.dumps(seen["before_backward"]))
         disable="backward-compile-deadlock" if disabled else None,
     ).json()
     assert ran == (["forward"] if disabled else ["forward", "backward"])
+
+
+def test_allow_mutation_on_saved_tensors_in_one_thread_is_torchs(disabled):
+    # saved-tensor-mutation splits torch's flag into a per-thread one and the context's own: in one thread,
+    # what a user sees must not change (the mutated tensor's saved value, the nesting error, backward after exit).
+    ran = run_ok(
+        """
+import json
+import torchfix, torch
+import torch.autograd.graph as graph
+seen = {}
+def record():
+    leaf = torch.ones(3, requires_grad=True)
+    x = leaf.clone()
+    y = x.sin().sum()
+    x.add_(1.0)
+    return leaf, y
+def outcome(fn):
+    try:
+        fn()
+        return "ran"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:40]}"
+with graph.allow_mutation_on_saved_tensors():
+    seen["inside"] = graph._allow_mutation_on_saved_tensors_enabled
+    leaf, y = record()
+    y.backward()
+    seen["gradient"] = torch.allclose(leaf.grad, torch.ones(3).cos())
+    leaf, late = record()
+def nested():
+    with graph.allow_mutation_on_saved_tensors():
+        with graph.allow_mutation_on_saved_tensors():
+            pass
+seen["nested"] = outcome(nested)
+seen["after"] = graph._allow_mutation_on_saved_tensors_enabled
+seen["backward_after_exit"] = outcome(late.backward)
+print(json.dumps(seen))
+""",
+        disable="saved-tensor-mutation" if disabled else None,
+    ).json()
+    assert ran == {
+        "inside": True,
+        "gradient": True,
+        "nested": "RuntimeError: allow_mutation_on_saved_tensors contexts",
+        "after": False,
+        "backward_after_exit": "AssertionError: Trying to backward outside of the 'allow",
+    }

@@ -394,15 +394,25 @@ class ThreadLocalGlobals(SourcePatch):
         super().__init__(module, relpath)
         self.holder = holder
         self.attrs = attrs  # global name -> attribute of the thread-local holder
-        # Names some releases do not have yet (torch adds flags over time): moved where the file defines them.
+        # Names some releases do not have yet (torch adds flags over time): moved where the file defines them. A
+        # release that defines none of its names (all optional) has nothing to patch in this module.
         self.optional = optional
         # Names whose object (not a literal) its users change in place: each thread gets one of its own,
         # made by the file's expression; shared, one thread's change would show in all.
         self.own = own
         self._moved: dict[str, str] = {}  # the attrs moved in the live module
+        self._nothing_here = False  # apply() found none of the names (every one optional): nothing to patch
 
     def _present(self, defined: object) -> dict[str, str]:
         return {name: attr for name, attr in self.attrs.items() if name not in self.optional or name in defined}
+
+    def apply(self) -> None:
+        # A release that defines none of the names (all optional) has nothing to move: the module is left as it is
+        # (no holder, no recompiled file), as AttributeUses leaves a module that does not use its names.
+        module = importlib.import_module(self.module_name)
+        self._nothing_here = not self._present(vars(module))
+        if not self._nothing_here:
+            super().apply()
 
     def _defaults(self, source: str, names: set[str]) -> dict[str, _Default]:
         defaults = _module_level_defaults(source, names)
@@ -488,6 +498,8 @@ class ThreadLocalGlobals(SourcePatch):
         self._moved = {}
 
     def verify(self) -> None:
+        if self._nothing_here:
+            return
         super().verify()
         module = self._module
         left = _accesses_left(module, _GLOBAL_OPS, set(self._moved))
