@@ -33,6 +33,7 @@ from ._source import (
     segment,
     unified_diff,
 )
+from ._thread_stash import ThreadSpaces
 
 _GLOBAL_OPS = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"}
 
@@ -262,51 +263,53 @@ def _global_uses(source: str, filename: str, name: str) -> tuple[list[ast.Name],
 
 
 def _per_thread_class(holder: str, defaults: dict[str, object], factories: dict[str, Callable[[], object]]) -> type:
-    """The holder's type: one property per moved global, kept per thread (a ``threading.local``), and
-    ``overridden``, how many (thread, name) pairs hold something else than their shared default.
+    """The holder's type: one property per moved global, kept per thread (:class:`ThreadSpaces`: autograd's device
+    thread sees the values of the thread whose backward it runs), and ``overridden``, how many (thread, name) pairs
+    hold something else than their shared default.
 
-    A ``threading.local`` read costs about three times a global read, and torch reads these flags (and
-    the compile stance) on every compiled call. The rewritten reads of a global with a shared default
-    (``defaults``) test ``overridden`` (a plain attribute) first and take the thread's value only while
-    some thread has set one of its own, which is rare (during a trace or an export): otherwise they cost
-    one attribute read more than the global did, and no call. Writes are rare and take a lock to keep the
-    count exact. A thread that dies holding a non-default value keeps the count above zero: reads stay
-    correct, only slower. A global with a default of its own per thread (``factories``) is read through
-    the property every time: each thread gets its own object on its first read.
+    A per-thread read costs several times a global read, and torch reads these flags (and the compile stance) on
+    every compiled call. The rewritten reads of a global with a shared default (``defaults``) test ``overridden``
+    (a plain attribute) first and take the thread's value only while some thread has set one of its own, which is
+    rare (during a trace or an export): otherwise they cost one attribute read more than the global did, and no
+    call. Writes are rare and take a lock to keep the count exact. A thread that dies holding a non-default value
+    keeps the count above zero: reads stay correct, only slower. A global with a default of its own per thread
+    (``factories``) is read through the property every time: each thread gets its own object on its first read.
     """
 
     def per_thread(attr: str, default: object) -> property:
         def get(self: object) -> object:
-            return getattr(self._local, attr, default)
+            return getattr(self._spaces.get(), attr, default)  # getattr(None, ...): the default
 
         def set_(self: object, value: object) -> None:
             with self._lock:
-                old = getattr(self._local, attr, default)
-                setattr(self._local, attr, value)
+                space = self._spaces.make()
+                old = getattr(space, attr, default)
+                setattr(space, attr, value)
                 self.overridden += (value != default) - (old != default)
 
         return property(get, set_)
 
     def per_thread_object(attr: str, make: Callable[[], object]) -> property:
         def get(self: object) -> object:
+            space = self._spaces.make()
             try:
-                return getattr(self._local, attr)
+                return getattr(space, attr)
             except AttributeError:
                 value = make()
-                setattr(self._local, attr, value)
+                setattr(space, attr, value)
                 return value
 
         def set_(self: object, value: object) -> None:
-            setattr(self._local, attr, value)
+            setattr(self._spaces.make(), attr, value)
 
         return property(get, set_)
 
     def __init__(self: object) -> None:
-        self._local, self._lock, self.overridden = threading.local(), threading.Lock(), 0
+        self._spaces, self._lock, self.overridden = ThreadSpaces(holder), threading.Lock(), 0
 
     namespace = {attr: per_thread(attr, default) for attr, default in defaults.items()}
     namespace |= {attr: per_thread_object(attr, make) for attr, make in factories.items()}
-    return type(holder, (), {"__slots__": ("_local", "_lock", "overridden"), "__init__": __init__, **namespace})
+    return type(holder, (), {"__slots__": ("_spaces", "_lock", "overridden"), "__init__": __init__, **namespace})
 
 
 def moved_global_probe(module: str, holder: str, name: str, absent: str) -> Callable[[], str | None]:

@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import wrapt
 
+from .._thread_stash import ThreadSpaces
+
 _ABSENT = object()
 
 
@@ -66,11 +68,13 @@ class ThreadPatches:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._slots: dict[tuple[int, str], _Slot] = {}
-        self._local = threading.local()
+        self._spaces = ThreadSpaces("thread-patches")  # autograd's device thread runs a backward with its thread's
 
     def _stack(self, key: tuple[int, str]) -> list[Callable]:
-        stacks = self._local.__dict__.setdefault("stacks", {})
-        return stacks.setdefault(key, [])
+        space = self._spaces.make()
+        if not hasattr(space, "stacks"):
+            space.stacks = {}
+        return space.stacks.setdefault(key, [])
 
     def set(self, owner: dict | type, name: str, new_fn: Callable) -> None:
         """Patch ``owner[name]`` (``owner.name`` for a class) for the calling thread only."""
@@ -109,7 +113,7 @@ class ThreadPatches:
                 del self._slots[key]
 
     def _top(self, key: tuple[int, str]) -> Callable | None:
-        stack = self._local.__dict__.get("stacks", {}).get(key)
+        stack = getattr(self._spaces.get(), "stacks", {}).get(key)
         return stack[-1] if stack else None
 
     def current(self, owner: dict | type, name: str) -> object:
@@ -125,7 +129,7 @@ class ThreadPatches:
 
 
 # Every dispatcher runs this code object. Dynamo must run it as plain Python, like the torch code it
-# stands in for: it cannot trace a threading.local, and would compile it as a frame of its own for each
+# stands in for: it cannot trace torch's thread-local stash, and would compile it as a frame of its own for each
 # module it forwards to (torch <= 2.2 runs compiled graphs through Module.__call__).
 _DISPATCH_CODE = next(c for c in ThreadPatches._dispatcher.__code__.co_consts if isinstance(c, types.CodeType))
 

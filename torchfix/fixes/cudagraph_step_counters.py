@@ -28,7 +28,7 @@ from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._selftest import Result, compiled_add_one
 from .._source import Edit, ShapeError, parse, replace_node, segment
-from ._thread_stash import stash_until_thread_end
+from .._thread_stash import stash_until_thread_end
 
 TREES = "torch._inductor.cudagraph_trees"
 GUARD = "torch._dynamo.mutation_guard"

@@ -37,7 +37,7 @@ from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import SourcePatch
 from .._selftest import Result, in_thread
 from .._source import Edit, ShapeError, definitions, replace_node, segment
-from ._thread_stash import adopt_until_thread_end, stash_until_thread_end
+from .._thread_stash import adopt_until_thread_end, stash_until_thread_end
 
 MODULE = "torch._inductor.cudagraph_trees"
 LOCK = "graph_capture_lock"

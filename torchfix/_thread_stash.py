@@ -2,7 +2,8 @@
 
 ``torch._C._stash_obj_in_tls`` keeps an object in C++ thread-local state, which autograd copies into the
 device thread that runs this thread's backward: that is how CUDA graph trees (and torchfix's per-thread
-step counters) reach a thread's own objects there. C++ destroys that state only when the OS thread exits,
+step counters) reach a thread's own objects there, and how :class:`ThreadSpaces` makes all of torchfix's
+per-thread state follow a thread into its backward. C++ destroys that state only when the OS thread exits,
 after Python has let the thread go (``join()`` has returned): the last reference to the thread's CUDA
 graph trees then drops in a C++ thread-exit destructor, which takes the GIL once more to run their
 teardown for a thread Python no longer knows (``threading`` sees a ``_DummyThread`` there); at interpreter
@@ -27,35 +28,43 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import sys
 import threading
+import types
 
 PROBE = "torchfix_stash_probe"
+
+
+def _torch_c() -> types.ModuleType:
+    """``torch._C``, from ``sys.modules``: an ``import torch`` in a thread waits while another thread imports torch,
+    and torchfix's own checks start threads while torch is being imported (its fixes apply then)."""
+    return sys.modules["torch"]._C
 
 
 @functools.cache
 def _stash_takes_a_reference() -> bool:
     """Whether ``torch._C._stash_obj_in_tls`` takes a reference to what it keeps (torch 2.13+), measured once."""
-    import torch
+    C = _torch_c()
 
     probe: list = []  # a new object, of which this frame holds the only reference
     before = sys.getrefcount(probe)
-    torch._C._stash_obj_in_tls(PROBE, probe)
+    C._stash_obj_in_tls(PROBE, probe)
     takes = sys.getrefcount(probe) > before
     if not takes:  # the references the stash drops: the probe's as None replaces it, None's when that entry goes
         for obj in (probe, None):
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-    torch._C._stash_obj_in_tls(PROBE, None)
+    C._stash_obj_in_tls(PROBE, None)
     return takes
 
 
 def _stash(key: str, obj: object) -> None:
     """``torch._C._stash_obj_in_tls(key, obj)``, with the stash owning a reference to ``obj`` on every release."""
-    import torch
+    C = _torch_c()
 
     if not _stash_takes_a_reference():
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-    torch._C._stash_obj_in_tls(key, obj)
+    C._stash_obj_in_tls(key, obj)
 
 
 class _Releaser:
@@ -67,11 +76,11 @@ class _Releaser:
     def __del__(self) -> None:
         if sys.is_finalizing():  # the main thread's, at interpreter exit: the process takes the state along
             return
-        import torch
+        C = _torch_c()
 
-        remove = getattr(torch._C, "_remove_obj_from_tls", None)
+        remove = getattr(C, "_remove_obj_from_tls", None)
         for key in self.keys:
-            if not torch._C._is_key_in_tls(key):
+            if not C._is_key_in_tls(key):
                 continue
             if remove is not None:
                 remove(key)
@@ -110,11 +119,55 @@ def adopt_until_thread_end(key: str) -> None:
     thread ends Python frees the containers and the entry's C++ destructor, at the OS thread's exit, drops a
     reference to freed memory; here it gets the reference it will drop. Entries already released at the
     thread's end, or absent, are left as they are."""
-    import torch
+    C = _torch_c()
 
     releaser = _this_thread.releaser
-    if (releaser is not None and key in releaser.keys) or not torch._C._is_key_in_tls(key):
+    if (releaser is not None and key in releaser.keys) or not C._is_key_in_tls(key):
         return
     if not _stash_takes_a_reference():
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(torch._C._get_obj_in_tls(key)))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(C._get_obj_in_tls(key)))
     _release_at_thread_end(key)
+
+
+class ThreadSpaces:
+    """One namespace per thread, where autograd's device thread sees the namespace of the thread whose backward it
+    runs: what torchfix keeps per thread.
+
+    On CUDA, autograd runs a backward on its device thread, one for all threads, and so does AOTAutograd when it
+    traces a joint graph's backward (``torch.autograd.grad`` on fake CUDA tensors). State torch keeps in a module
+    global is seen there as the tracing thread left it; state moved to a ``threading.local`` would read its default
+    there (measured on an H200, torch 2.11: the backward nodes of a ``make_fx`` joint trace lost their ``seq_nr``,
+    and the make_fx tracer read None). So each thread's namespace lives in torch's C++ stash, which autograd copies
+    into the device thread for the backward's duration, and leaves it at the thread's end. Torch 2.0 has no stash:
+    there it is a ``threading.local``.
+
+    A read of the stash costs about 70 ns, a ``threading.local`` attribute about 30 ns: the per-thread holders read
+    here only while some thread holds a value of its own (see ``_patch._per_thread_class``).
+    """
+
+    _keys = itertools.count()  # a key per instance, never reused: a namespace left from an uninstalled one stays apart
+
+    def __init__(self, name: str) -> None:
+        C = _torch_c()
+
+        self._key = f"torchfix.{name}.{next(self._keys)}"
+        self._has = getattr(C, "_is_key_in_tls", None)
+        self._get = getattr(C, "_get_obj_in_tls", None)
+        self._local = threading.local() if self._has is None else None
+
+    def get(self) -> types.SimpleNamespace | None:
+        """The calling thread's namespace (the backward's thread's, on autograd's device thread), or None."""
+        if self._local is not None:
+            return getattr(self._local, "space", None)
+        return self._get(self._key) if self._has(self._key) else None
+
+    def make(self) -> types.SimpleNamespace:
+        """The calling thread's namespace, made empty if it has none."""
+        space = self.get()
+        if space is None:
+            space = types.SimpleNamespace()
+            if self._local is not None:
+                self._local.space = space
+            else:
+                stash_until_thread_end(self._key, space)
+        return space
