@@ -8,7 +8,7 @@ other thread's compiled calls run eagerly while it lasts: silent, and as slow as
 on torch 2.13 and 2.14.1 with the rest of torchfix on: 0 of 5 calls in another thread compiled). Still a
 global in 2.15.
 
-The stance moves to a ``threading.local`` (``eval_frame._stance_tls``): each thread starts with the default
+The stance moves to per-thread storage (``eval_frame._stance_tls``): each thread starts with the default
 stance (``DynamoStance()``, evaluated per thread), ``set_stance`` and its context manager set and restore the
 calling thread's, and ``eval_frame._stance`` read from other modules (compiled autograd, 2.6+) goes through
 the module ``__getattr__`` of :class:`ThreadLocalGlobals` to the calling thread's. Not covered: the

@@ -12,7 +12,7 @@ way, no AOTAutograd cache). FSDP2's ``detect_compiled_autograd`` (2.6 - 2.11) re
 process global, a compile in any other thread while one thread runs a compiled-autograd graph reads True and
 compiles its graph that way too (reproduced on torch 2.13). A global from 2.5 (which added it) to 2.15.
 
-The global moves to a ``threading.local`` (``compiled_autograd._in_compiled_autograd_region_tls``) with
+The global moves to per-thread storage (``compiled_autograd._in_compiled_autograd_region_tls``) with
 :class:`ThreadLocalGlobals`: ``runtime_wrapper`` and ``reset`` are the only code that uses it as a global, and
 every other reader reaches it by module attribute (the module ``__getattr__``). A thread starts with torch's
 default (False). ``runtime_wrapper`` is a closure that compiled autograd keeps in its C++ cache with each compiled

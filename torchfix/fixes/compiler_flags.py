@@ -8,7 +8,7 @@ and from 2.13 every Dynamo compile sets ``_is_compiling_flag`` for its whole dur
 compile makes ``is_compiling()`` True in every other thread, and eager code there (``nn.Module.__call__``'s
 hook handling, checkpointing, transformers) takes compile-only paths. All three are still globals in 2.15.
 
-The flags move to a ``threading.local`` (``torch.compiler._compiler_flags_tls``); the functions of
+The flags move to per-thread storage (``torch.compiler._compiler_flags_tls``); the functions of
 ``torch.compiler`` that use them are recompiled, the writers in other modules
 (``torch.compiler._is_compiling_flag = True``) are rewritten to the holder, and other readers
 (Dynamo's ``variables/torch.py`` from 2.12) reach a module ``__getattr__``. No release imports the

@@ -16,7 +16,7 @@ a module global of ``torch._dynamo.utils`` that the compile of any thread reads 
   graphs forced on or off in the other thread's code; sticky, since torch does not guard on it: reproduced on
   2.14.1). Torch's own comment calls it a mirror of ``_error_on_graph_break``.
 
-Both move to a ``threading.local`` (``utils._region_settings_tls``) with :class:`ThreadLocalGlobals` (the second
+Both move to per-thread storage (``utils._region_settings_tls``) with :class:`ThreadLocalGlobals` (the second
 where the file has it): their accessors are the only code that reads or writes them. A thread starts with torch's
 defaults (False, None). Not covered: Dynamo tracing on a thread other than the one that entered the region
 (compiled autograd on autograd's device thread) reads that thread's own value; one context object entered by

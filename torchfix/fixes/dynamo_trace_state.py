@@ -24,7 +24,7 @@ frame it was created ... GLOBAL_STATE changed: grad_mode``, 2.10+; a mis-guarded
 leave the flag True for the process; and from 2.12, where the config is per thread, a thread can take the other's
 memo (its dynamic, unbacked or static sources) when a switch between threads falls between the two writes.
 
-Each module's globals move to a ``threading.local`` (``_trace_state_tls`` in each module) with
+Each module's globals move to per-thread storage (``_trace_state_tls`` in each module) with
 :class:`ThreadLocalGlobals`; names a release lacks are optional, and a module with none of them (``trace_rules``
 before 2.11) is left alone. Every reader runs in the tracing thread, so a thread starts with torch's defaults
 (None, False), as a single-threaded ``aot_compile`` does. Runtime code reads none of it.

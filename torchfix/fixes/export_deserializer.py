@@ -9,7 +9,7 @@ two threads loading a small program 20 times each: 20 of 40 loads failed), or on
 would be rebuilt by the other's deserializer. A global from torch 2.3 to 2.15 (upstream
 pytorch/pytorch#195099, #195100).
 
-The global moves to a ``threading.local`` (``serialize._deserializer_tls``) with :class:`ThreadLocalGlobals`:
+The global moves to per-thread storage (``serialize._deserializer_tls``) with :class:`ThreadLocalGlobals`:
 each thread has its own deserializer slot, so loads in different threads run side by side, and a thread
 still cannot nest two deserializations (torch's check stays, per thread).
 """

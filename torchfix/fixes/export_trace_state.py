@@ -8,7 +8,7 @@ finish clears them under the other, whose export then fails with ``AssertionErro
 _EXPORT_MODULE_HIERARCHY must not be None``, or, while both run, the later export's hierarchy replaces the
 earlier's and that program gets the other module's call graph. Globals in every release up to 2.15.
 
-Both move to a ``threading.local`` (``_trace._export_trace_tls``) with :class:`ThreadLocalGlobals`.
+Both move to per-thread storage (``_trace._export_trace_tls``) with :class:`ThreadLocalGlobals`.
 """
 
 from __future__ import annotations

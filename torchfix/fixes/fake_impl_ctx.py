@@ -9,7 +9,7 @@ thread's context, so its unbacked sizes land in the other trace's shape environm
 finishes it restores the getter it found, which may be a getter another thread set meanwhile. Still a global
 in 2.15.
 
-The global moves to a ``threading.local`` with :class:`ThreadLocalGlobals`.
+The global moves to per-thread storage with :class:`ThreadLocalGlobals`.
 """
 
 from __future__ import annotations

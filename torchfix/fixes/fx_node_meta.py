@@ -10,7 +10,7 @@ process globals up to 2.15 (upstream pytorch/pytorch#184917). So while one threa
 first thread's node meta and ``has_preserved_node_meta()`` is True: graphs traced or compiled at the same
 time get each other's stack traces, ``custom`` annotations and sequence numbers.
 
-The globals move to a ``threading.local`` (``torch.fx.traceback._node_meta_tls``) with
+The globals move to per-thread storage (``torch.fx.traceback._node_meta_tls``) with
 :class:`ThreadLocalGlobals`: the flags keep their fast read, and each thread gets its own ``current_meta``
 dict (``{}``, made on its first read; the installing thread keeps the dict it had). Other modules use
 ``fx_traceback.current_meta[...]`` by module attribute (AOTAutograd, ``make_fx``, checkpoint), which

@@ -9,7 +9,7 @@ raises "Cannot reenter make_fx when we're not under a make_fx tracing session" o
 graph; when that one finishes in turn, it leaves the first one's finished tracer behind for every later
 higher-order op. Still a global in 2.15.
 
-The global moves to a ``threading.local`` (``proxy_tensor._make_fx_tracer_tls``) with
+The global moves to per-thread storage (``proxy_tensor._make_fx_tracer_tls``) with
 :class:`ThreadLocalGlobals`.
 """
 
