@@ -65,3 +65,46 @@ def test_a_stream_per_thread_trains_as_one_shared_stream_does(tmp_path, compile_
     spread = max(abs(a - b) for a, b in zip(losses["shared-a"], losses["shared-b"]))
     diff = max(abs(a - b) for a, b in zip(losses["per-thread"], losses["shared-a"]))
     assert diff <= spread + 1e-6 * max(losses["shared-a"]), (diff, spread, losses)
+
+
+# One thread traces a joint graph with make_fx: on CUDA its backward runs on autograd's device thread, which must
+# see the tracing thread's make_fx tracer and node metadata (both per thread with torchfix), as it sees torch's
+# globals without it.
+DEVICE_THREAD_TRACE = r"""
+import json, threading
+import torch
+import torchfix
+from torch.fx.experimental import proxy_tensor
+
+seen = []
+
+class Probe(torch.autograd.Function):
+    forward = staticmethod(lambda ctx, x: x * 2)
+
+    @staticmethod
+    def backward(ctx, g):
+        tracer = proxy_tensor._CURRENT_MAKE_FX_TRACER
+        seen.append({"other_thread": threading.get_ident() != main, "tracer": tracer is not None})
+        return torch.cond(g.sum() > 0, lambda g: g * 2, lambda g: g * 3, (g,))
+
+def joint(x):
+    return torch.autograd.grad(Probe.apply(x).sin().sum(), x)
+
+main = threading.get_ident()
+x = torch.randn(8, device="cuda", requires_grad=True)
+with torch.fx.traceback.preserve_node_meta():
+    graph = proxy_tensor.make_fx(joint, tracing_mode="fake")(x)
+nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
+print(json.dumps({"seen": seen, "nodes": len(nodes), "with_seq_nr": sum("seq_nr" in n.meta for n in nodes)}))
+"""
+
+
+def test_a_backward_traced_on_the_device_thread_sees_the_tracing_threads_state():
+    runs = {}
+    for label, disabled in (("with", ""), ("without", "1")):
+        env = dict(os.environ, TORCHFIX_DISABLE=disabled)
+        proc = subprocess.run([sys.executable, "-c", DEVICE_THREAD_TRACE], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["with"]["seen"] == [{"other_thread": True, "tracer": True}], runs  # the device thread, traced
+    assert runs["with"] == runs["without"], runs
