@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per configuration of cudagraphs")
     parser.add_argument("--configs", default="", help="cudagraphs: indices of the configurations to run (0,1,...)")
     parser.add_argument("--parallel", type=int, default=1, help="cudagraphs: runs at once, each its own process")
-    parser.add_argument("--pairs", type=int, default=5, help="cost: ABBA pairs of runs with torchfix on and off")
+    parser.add_argument("--pairs", type=int, default=5, help="cost: ABBA pairs of runs, torchfix on and off (0: none)")
     parser.add_argument("--fixes", action="store_true", help="cost: also one run with each fix disabled in turn")
     parser.add_argument("--profile", action="store_true", help="cost: also profile a few steps each way, op by op")
     args = parser.parse_args(argv)

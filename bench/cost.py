@@ -5,10 +5,10 @@ cost), at a realistic width: the target from :mod:`bench.real_target` (839 M par
 one on the CPU), a 5-layer drafter with block 16 and 64 anchors over 1024-token sequences on CUDA (smaller
 on the CPU). Runs alternate in ABBA order (on, off, off, on, ...) so that drift of the machine falls on both
 sides; each pair gives one on/off ratio of tokens/s, and the result is the ratio of the medians with the
-pairs' spread. ``--fixes`` adds one run per fix with only that fix disabled, against the median of the
-runs with all of them on. ``--profile`` adds one run each way with ``--profile-steps`` over the middle half of
-the run (torch.profiler, every thread, CUDA kernels on GPU) and compares them op by op, per step: where the
-difference is.
+pairs' spread (``--pairs 0``: none). ``--fixes`` adds one run per fix with only that fix disabled, against the
+median of the runs with all of them on. ``--profile`` adds one run each way with ``--profile-steps`` over the
+middle half of the run (torch.profiler, every thread, CUDA kernels on GPU), right after the warm-up, and
+compares them op by op, per step: where the difference is.
 
 All runs share one Inductor/Triton cache, filled by a first run that is not counted: what is measured is
 the steady step, not compilation, and every counted run then compiles the same way.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -52,10 +53,6 @@ def run(
         return row | {"disabled": disable}
 
     warmup = measure("")  # fills the compile caches; not counted
-    runs = [measure(disable) for _ in range(pairs) for disable in ("", "1", "1", "")]  # on, off, off, on
-    on = [r.get("tokens_per_s") or 0.0 for r in runs if r["disabled"] == ""]
-    off = [r.get("tokens_per_s") or 0.0 for r in runs if r["disabled"] == "1"]
-    pair_ratios = [(a + b) / (c + d) for a, b, c, d in zip(on[0::2], on[1::2], off[0::2], off[1::2]) if c + d]
     result: dict[str, object] = {
         "torch": str(torch.__version__),
         "device": device,
@@ -64,20 +61,27 @@ def run(
         "global_batch": batch,
         "seq_len": seq_len,
         "warmup": warmup,
+    }
+    if profile:  # before the pairs: a run cut short by a time limit still has it (printed as it ends)
+        # The middle half of the run: long enough that a window's part-steps (see STEP_MARKER) weigh little.
+        window = f"--profile-steps={max(1, steps // 4)}:{steps - steps // 4}"
+        profiled = {label: measure(disable, window) for label, disable in (("on", ""), ("off", "1"))}
+        result["profiled_runs"] = profiled
+        result["profile"] = profile_diff(*(_profile_of(profiled[label]) for label in ("on", "off")))
+        print(f"bench profile: {json.dumps(result['profile'])}", file=sys.stderr, flush=True)
+    runs = [measure(disable) for _ in range(pairs) for disable in ("", "1", "1", "")]  # on, off, off, on
+    on = [r.get("tokens_per_s") or 0.0 for r in runs if r["disabled"] == ""]
+    off = [r.get("tokens_per_s") or 0.0 for r in runs if r["disabled"] == "1"]
+    pair_ratios = [(a + b) / (c + d) for a, b, c, d in zip(on[0::2], on[1::2], off[0::2], off[1::2]) if c + d]
+    result |= {
         "runs": runs,
         "on_tokens_per_s": on,
         "off_tokens_per_s": off,
         "ratio_of_medians": statistics.median(on) / statistics.median(off) if off and statistics.median(off) else None,
         "pair_ratios": pair_ratios,
     }
-    if profile:
-        # The middle half of the run: long enough that a window's part-steps (see STEP_MARKER) weigh little.
-        window = f"--profile-steps={max(1, steps // 4)}:{steps - steps // 4}"
-        profiled = {label: measure(disable, window) for label, disable in (("on", ""), ("off", "1"))}
-        result["profiled_runs"] = profiled
-        result["profile"] = profile_diff(*(_profile_of(profiled[label]) for label in ("on", "off")))
     if fixes:
-        base = statistics.median(on)
+        base = statistics.median(on) if on else None
         result["one_fix_disabled"] = [
             measure(status.name) | {"vs_all_on": None}
             for status in torchfix.status()
@@ -165,7 +169,6 @@ def table(result: dict) -> str:
                 for r in rows
             ]
     for row in result.get("one_fix_disabled", []):
-        lines.append(
-            f"without {row['disabled']}: {row.get('tokens_per_s') or 0:,.0f} tokens/s (x{row['vs_all_on']:.4f})"
-        )
+        versus = f" (x{row['vs_all_on']:.4f})" if row["vs_all_on"] is not None else ""
+        lines.append(f"without {row['disabled']}: {row.get('tokens_per_s') or 0:,.0f} tokens/s{versus}")
     return "\n".join(lines)
