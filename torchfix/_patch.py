@@ -411,9 +411,10 @@ class ThreadLocalGlobals(SourcePatch):
 
     def apply(self) -> None:
         # A release that defines none of the names (all optional) has nothing to move: the module is left as it is
-        # (no holder, no recompiled file), as AttributeUses leaves a module that does not use its names.
+        # (no holder, no recompiled file), as AttributeUses leaves a module that does not use its names; unless a
+        # subclass edits more than the names (trace-patch-isolation's dispatcher, on torch 2.0 - 2.4).
         module = importlib.import_module(self.module_name)
-        self._nothing_here = not self._present(vars(module))
+        self._nothing_here = not self._present(vars(module)) and not self.cached_edits(read_source(module))
         if not self._nothing_here:
             super().apply()
 
