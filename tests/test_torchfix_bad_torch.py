@@ -112,8 +112,9 @@ for fix in fixes.ALL:
     modules = [p.module_name for p in patches]
     plan[fix.name] = dict(
         state=states[fix.name],
-        # What to import before torchfix, so that it applies at once (a patch may name a module this torch lacks).
-        imports=sorted(m for m in {fix.trigger, *modules} if patches and module_file_exists(m)),
+        # What to import before torchfix, so that every fix is applied (or not) at once, as here: none is left
+        # "pending import" (a patch may name a module this torch lacks).
+        imports=sorted(m for m in {fix.trigger, *modules} if module_file_exists(m)),
         modules=modules,
         # [module, file] of each patch that edits a file here, in the order the fix applies them.
         files=[[p.module_name, p.relpath] for p in patches if hasattr(p, "relpath") and p.diff(_installed_reader)],

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+import importlib.util
 import threading
 import types
 import warnings
@@ -120,6 +121,8 @@ class _PerThreadPatches(SourcePatch):
 
 
 def _probe() -> str | None:
+    if importlib.util.find_spec(MODULE) is None:
+        return f"torch has no {MODULE} (before 2.1): no context managers to share"
     module = importlib.import_module(MODULE)
     if HELPER in vars(module):
         return "the autograd entry patches are per-thread already"
@@ -227,7 +230,7 @@ def autograd_entry_patched_elsewhere(context: str, timeout: float = 60.0) -> Res
     where torch has no such context manager."""
     import torch
 
-    if not hasattr(torch.compiler, context):
+    if not hasattr(getattr(torch, "compiler", None), context):  # no torch.compiler before 2.1
         return None
     with _Backward(torch, context) as backward:
         held = _InContext(backward, timeout)
@@ -249,7 +252,7 @@ def autograd_entry_patches_overlap(context: str, timeout: float = 60.0) -> Resul
     manager. Without the fix B restores A's wrapper, which stays for the process."""
     import torch
 
-    if not hasattr(torch.compiler, context):
+    if not hasattr(getattr(torch, "compiler", None), context):  # no torch.compiler before 2.1
         return None
     with _Backward(torch, context) as backward:
         first = _InContext(backward, timeout)

@@ -34,7 +34,7 @@ def stance_elsewhere(timeout: float = 60.0) -> Result | None:
     function compiled with a backend that counts its compiles: it must compile. None before torch 2.6."""
     import torch
 
-    set_stance = getattr(torch.compiler, "set_stance", None)
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)  # no torch.compiler before 2.1
     if set_stance is None:
         return None
     compiles = []

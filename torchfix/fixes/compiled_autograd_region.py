@@ -25,6 +25,7 @@ inside the calling thread's own compiled-autograd graph, no longer while another
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import itertools
 import threading
 import types
@@ -80,6 +81,8 @@ def compiled_autograd_region_elsewhere(timeout: float = 60.0) -> Result | None:
     (before 2.5)."""
     import torch
 
+    if importlib.util.find_spec(MODULE) is None:  # no compiled autograd (torch 2.0)
+        return None
     ca = importlib.import_module(MODULE)
     enable = getattr(ca, "_enable", None) or getattr(ca, "enable", None)  # enable: 2.5
     if enable is None or not hasattr(ca, NAME):

@@ -56,7 +56,7 @@ def region_settings_elsewhere(timeout: float = 60.0) -> Result | None:
     split the graph and run) and one without (its graph must get no CUDA graph annotation). Then A compiles one with
     a graph break inside its context: that must raise. None where torch has no
     ``torch._dynamo.error_on_graph_break``."""
-    import torch
+    import torch._dynamo  # torch 2.0 has no lazy torch._dynamo attribute
 
     error_on_graph_break = getattr(torch._dynamo, "error_on_graph_break", None)
     if error_on_graph_break is None:
