@@ -47,10 +47,18 @@ def run(
         *flags,
     )
 
+    shape = (device, steps, batch, seq_len, False)
+
     def measure(disable: str, *more: str) -> dict:
-        flags = (*extra, *more)
-        row = one("threads", 1, device, steps, batch, seq_len, False, extra=flags, compile_caches=work, disable=disable)
-        return row | {"disabled": disable}
+        # Without torchfix even this job has a thread hazard: its target and drafter threads compile at once (H1
+        # seen once in 12 runs on the H200, in a profiled run). A failed run is tried again; its errors are kept.
+        failed: list[str] = []
+        for attempt in range(ATTEMPTS):
+            row = one("threads", 1, *shape, extra=(*extra, *more), compile_caches=work, disable=disable)
+            if "error" not in row or attempt == ATTEMPTS - 1:
+                break
+            failed.append(str(row["error"]))
+        return row | {"disabled": disable, "failed_attempts": failed}
 
     warmup = measure("")  # fills the compile caches; not counted
     result: dict[str, object] = {
@@ -90,6 +98,9 @@ def run(
         for row in result["one_fix_disabled"]:
             row["vs_all_on"] = (row.get("tokens_per_s") or 0.0) / base if base else None
     return result
+
+
+ATTEMPTS = 3  # per run
 
 
 def _profile_of(row: dict) -> dict:
@@ -143,8 +154,14 @@ def table(result: dict) -> str:
         f"torch {result['torch']}, {result['device']}, target {result['target_parameters'] / 1e6:.0f} M parameters, "
         f"1 drafter thread, {result['steps']} steps, global batch {result['global_batch']} x {result['seq_len']}"
     ]
-    failed = [r for r in [result["warmup"], *result["runs"]] if "error" in r]
-    lines += [f"a run failed (TORCHFIX_DISABLE={r['disabled']!r}): {r['error']}" for r in failed]
+    every = [result["warmup"], *result.get("profiled_runs", {}).values(), *result["runs"]]
+    every += result.get("one_fix_disabled", [])
+    lines += [
+        f"a run failed and was tried again (TORCHFIX_DISABLE={r['disabled']!r}): {error}"
+        for r in every
+        for error in r["failed_attempts"]
+    ]
+    lines += [f"a run failed (TORCHFIX_DISABLE={r['disabled']!r}): {r['error']}" for r in every if "error" in r]
     on, off = result["on_tokens_per_s"], result["off_tokens_per_s"]
     lines.append("tokens/s with torchfix:    " + ", ".join(f"{v:,.0f}" for v in on))
     lines.append("tokens/s without torchfix: " + ", ".join(f"{v:,.0f}" for v in off))

@@ -98,5 +98,10 @@ def test_cost_profile_diff_per_step():
     assert [r["op"] for r in diff["calls_differ"]] == ["aten::copy_", "aten::view"]
     assert diff["largest_time_differences"][0] == {"op": "aten::mm", "calls": [4.0, 4.0], "self_us": [200.0, 100.0]}
     result = dict(torch="2.13.0", device="cpu", target_parameters=1e7, steps=4, global_batch=2, seq_len=64)
-    result |= dict(warmup={}, runs=[], on_tokens_per_s=[], off_tokens_per_s=[], ratio_of_medians=None, profile=diff)
-    assert "profile, self CPU time per step: 0.25 ms with torchfix, 0.10 ms without" in table(result)
+    retried = {"disabled": "1", "failed_attempts": ["RuntimeError: H1"], "tokens_per_s": 1.0}  # then it ran
+    result |= dict(warmup={"disabled": "", "failed_attempts": []}, runs=[retried], on_tokens_per_s=[])
+    result |= dict(off_tokens_per_s=[1.0], ratio_of_medians=None, profile=diff)
+    text = table(result)
+    assert "profile, self CPU time per step: 0.25 ms with torchfix, 0.10 ms without" in text
+    assert "a run failed and was tried again (TORCHFIX_DISABLE='1'): RuntimeError: H1" in text
+    assert "a run failed (" not in text
