@@ -51,7 +51,7 @@ def run(
 
     def measure(disable: str, *more: str) -> dict:
         # Without torchfix even this job has a thread hazard: its target and drafter threads compile at once (H1
-        # seen once in 12 runs on the H200, in a profiled run). A failed run is tried again; its errors are kept.
+        # seen in 1 of 6 runs without it on the H200, a profiled one). A failed run is tried again; its errors are kept.
         failed: list[str] = []
         for attempt in range(ATTEMPTS):
             row = one("threads", 1, *shape, extra=(*extra, *more), compile_caches=work, disable=disable)
