@@ -46,7 +46,6 @@ def _torch_c() -> types.ModuleType:
 def _stash_takes_a_reference() -> bool:
     """Whether ``torch._C._stash_obj_in_tls`` takes a reference to what it keeps (torch 2.13+), measured once."""
     C = _torch_c()
-
     probe: list = []  # a new object, of which this frame holds the only reference
     before = sys.getrefcount(probe)
     C._stash_obj_in_tls(PROBE, probe)
@@ -61,7 +60,6 @@ def _stash_takes_a_reference() -> bool:
 def _stash(key: str, obj: object) -> None:
     """``torch._C._stash_obj_in_tls(key, obj)``, with the stash owning a reference to ``obj`` on every release."""
     C = _torch_c()
-
     if not _stash_takes_a_reference():
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     C._stash_obj_in_tls(key, obj)
@@ -77,7 +75,6 @@ class _Releaser:
         if sys.is_finalizing():  # the main thread's, at interpreter exit: the process takes the state along
             return
         C = _torch_c()
-
         remove = getattr(C, "_remove_obj_from_tls", None)
         for key in self.keys:
             if not C._is_key_in_tls(key):
@@ -120,7 +117,6 @@ def adopt_until_thread_end(key: str) -> None:
     reference to freed memory; here it gets the reference it will drop. Entries already released at the
     thread's end, or absent, are left as they are."""
     C = _torch_c()
-
     releaser = _this_thread.releaser
     if (releaser is not None and key in releaser.keys) or not C._is_key_in_tls(key):
         return
@@ -149,7 +145,6 @@ class ThreadSpaces:
 
     def __init__(self, name: str) -> None:
         C = _torch_c()
-
         self._key = f"torchfix.{name}.{next(self._keys)}"
         self._has = getattr(C, "_is_key_in_tls", None)
         self._get = getattr(C, "_get_obj_in_tls", None)
