@@ -134,8 +134,13 @@ class ThreadSpaces:
     global is seen there as the tracing thread left it; state moved to a ``threading.local`` would read its default
     there (measured on an H200, torch 2.11: the backward nodes of a ``make_fx`` joint trace lost their ``seq_nr``,
     and the make_fx tracer read None). So each thread's namespace lives in torch's C++ stash, which autograd copies
-    into the device thread for the backward's duration, and leaves it at the thread's end. Torch 2.0 has no stash:
-    there it is a ``threading.local``.
+    into the device thread for the backward's duration, and leaves it at the thread's end.
+
+    Only where torch can take an entry out of the stash (``_remove_obj_from_tls``, torch 2.13+): before, an entry
+    stays until C++ destroys it at the OS thread's exit, which takes the GIL and aborts the process when that
+    races interpreter exit (torch 2.10: 4 of torchfix's tests died so, "terminate called without an active
+    exception" or a segfault, once every thread that set any state had an entry). There, and on 2.0, it is a
+    ``threading.local``, and a backward traced on the device thread reads the defaults.
 
     A read of the stash costs about 70 ns, a ``threading.local`` attribute about 30 ns: the per-thread holders read
     here only while some thread holds a value of its own (see ``_patch._per_thread_class``).
@@ -146,9 +151,8 @@ class ThreadSpaces:
     def __init__(self, name: str) -> None:
         C = _torch_c()
         self._key = f"torchfix.{name}.{next(self._keys)}"
-        self._has = getattr(C, "_is_key_in_tls", None)
-        self._get = getattr(C, "_get_obj_in_tls", None)
-        self._local = threading.local() if self._has is None else None
+        self._local = None if hasattr(C, "_remove_obj_from_tls") else threading.local()
+        self._has, self._get = getattr(C, "_is_key_in_tls", None), getattr(C, "_get_obj_in_tls", None)
 
     def get(self) -> types.SimpleNamespace | None:
         """The calling thread's namespace (the backward's thread's, on autograd's device thread), or None."""
