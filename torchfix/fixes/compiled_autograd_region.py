@@ -154,6 +154,9 @@ FIX = Fix(
             releases("2.5"),
             needs=f"{MODULE}.{NAME} (2.5+)",
             shows=f"the main thread's compile: {NAME} True",
+            # A second run in one process segfaults in compiled autograd's capture, in FakeTensorMode.__enter__ as
+            # make-fx-tracer's does, fix or not (2.10, 2.11; 2.13 - 2.15 run it three times).
+            crashes=releases("2.10", "2.11"),
         ),
     ),
 )

@@ -279,8 +279,8 @@ FIX = Fix(
     scenarios=(
         Scenario(
             dynamo_trace_state_elsewhere,
-            releases("2.9"),
-            needs="torch.compile(...).aot_compile (torch 2.9+)",
+            releases("2.12"),  # 2.9 - 2.11: aot_compile is off by default, and its eager graphs do not serialize
+            needs="torch.compile(...).aot_compile, on by default (torch 2.12+)",
             shows="in every part this torch has",
         ),
     ),
