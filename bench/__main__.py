@@ -1,10 +1,11 @@
-"""python -m bench [overhead] [coldstart] [trainer] [cudagraphs] [cost] [--device DEV] [--quick] [--out DIR]: print a
-table and write JSON per benchmark."""
+"""python -m bench [overhead] [coldstart] [trainer] [cudagraphs] [cost] [--device DEV] [--quick] [--out DIR]:
+print a table and write JSON per benchmark."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from . import coldstart, cost, cudagraphs, overhead, trainer
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=5, help="cost: ABBA pairs of runs, torchfix on and off (0: none)")
     parser.add_argument("--fixes", action="store_true", help="cost: also one run with each fix disabled in turn")
     parser.add_argument("--profile", action="store_true", help="cost: also profile a few steps each way, op by op")
+    parser.add_argument(
+        "--resume", action="store_true", help="cost: go on with the runs an interrupted run recorded in OUT/cost-state"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -38,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         if name == "cudagraphs":
             options = {"runs": args.runs, "configs": args.configs, "parallel": args.parallel}
         if name == "cost":
+            state = out / "cost-state"
+            if not args.resume:
+                shutil.rmtree(state, ignore_errors=True)
             options = {"device": args.device, "pairs": args.pairs, "fixes": args.fixes, "profile": args.profile}
+            options |= {"state": state}
         result = BENCHMARKS[name].run(quick=args.quick, **options)
         print(f"== {name}\n{BENCHMARKS[name].table(result)}")
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))

@@ -12,11 +12,18 @@ compares them op by op, per step: where the difference is.
 
 All runs share one Inductor/Triton cache, filled by a first run that is not counted: what is measured is
 the steady step, not compilation, and every counted run then compiles the same way.
+
+A run of the whole schedule outlasts many job limits (about a minute a run on the H200; 5 pairs, a profile and
+30 fixes make 72 runs), so it can be resumed: ``state`` (``python -m bench cost --out DIR`` keeps it in
+``DIR/cost-state``) records each finished run, and a later invocation with the same state runs only what is
+missing, after its own uncounted warm-up where the compile caches are not there (another machine). Each run
+names its machine, and the table says when the runs came from more than one.
 """
 
 from __future__ import annotations
 
 import json
+import platform
 import statistics
 import sys
 import tempfile
@@ -27,7 +34,12 @@ from .trainer import REAL_SIZES, one
 
 
 def run(
-    quick: bool = False, device: str = "cpu", pairs: int = 5, fixes: bool = False, profile: bool = False
+    quick: bool = False,
+    device: str = "cpu",
+    pairs: int = 5,
+    fixes: bool = False,
+    profile: bool = False,
+    state: Path | None = None,
 ) -> dict[str, object]:
     import torch
 
@@ -37,7 +49,8 @@ def run(
     steps, batch, seq_len, flags = REAL_SIZES[kind]
     if quick:
         steps, batch, seq_len, pairs, flags = 3, 2, 64, 1, ("--drafter-layers=1", "--num-anchors=2")
-    work = Path(tempfile.mkdtemp(prefix="bench-cost-"))
+    work = Path(state) if state else Path(tempfile.mkdtemp(prefix="bench-cost-"))
+    work.mkdir(parents=True, exist_ok=True)
     target = real_target.cached("gpu" if kind == "cuda" and not quick else "cpu")
     extra = (
         f"--target={target}",
@@ -46,10 +59,11 @@ def run(
         f"--cache-dir={work / 'cache'}",
         *flags,
     )
-
     shape = (device, steps, batch, seq_len, False)
+    ledger = _Ledger(work / "runs.jsonl", (*shape, quick, str(torch.__version__)))
+    warmups: list[dict] = []
 
-    def measure(disable: str, *more: str) -> dict:
+    def attempt(disable: str, *more: str) -> dict:
         # Without torchfix even this job has a thread hazard: its target and drafter threads compile at once (H1
         # seen in 1 of 6 runs without it on the H200, a profiled one). A failed run is tried again; its errors are kept.
         failed: list[str] = []
@@ -58,9 +72,20 @@ def run(
             if "error" not in row or attempt == ATTEMPTS - 1:
                 break
             failed.append(str(row["error"]))
-        return row | {"disabled": disable, "failed_attempts": failed}
+        return row | {"disabled": disable, "failed_attempts": failed, "machine": platform.node()}
 
-    warmup = measure("")  # fills the compile caches; not counted
+    def measure(slot: str, disable: str, *more: str) -> dict:
+        """The run of ``slot``: recorded by an earlier invocation, or run now (after a warm-up, where this
+        machine's compile caches are still empty)."""
+        if slot not in ledger:
+            if not warmups and not (work / "inductor").is_dir():
+                warmups.append(attempt(""))  # fills the compile caches; not counted
+            row = attempt(disable, *more)
+            if slot.startswith("profile"):  # kept with the run: its folder may be gone when a later run resumes
+                row["profile_ops"] = _profile_of(row)
+            ledger.record(slot, row)
+        return ledger[slot]
+
     result: dict[str, object] = {
         "torch": str(torch.__version__),
         "device": device,
@@ -68,16 +93,22 @@ def run(
         "steps": steps,
         "global_batch": batch,
         "seq_len": seq_len,
-        "warmup": warmup,
+        "warmups": warmups,
+        "resumed_runs": len(ledger),
     }
     if profile:  # before the pairs: a run cut short by a time limit still has it (printed as it ends)
         # The middle half of the run: long enough that a window's part-steps (see STEP_MARKER) weigh little.
         window = f"--profile-steps={max(1, steps // 4)}:{steps - steps // 4}"
-        profiled = {label: measure(disable, window) for label, disable in (("on", ""), ("off", "1"))}
+        profiled = {
+            label: measure(f"profile {label}", disable, window) for label, disable in (("on", ""), ("off", "1"))
+        }
         result["profiled_runs"] = profiled
-        result["profile"] = profile_diff(*(_profile_of(profiled[label]) for label in ("on", "off")))
+        result["profile"] = profile_diff(*(profiled[label]["profile_ops"] for label in ("on", "off")))
         print(f"bench profile: {json.dumps(result['profile'])}", file=sys.stderr, flush=True)
-    runs = [measure(disable) for _ in range(pairs) for disable in ("", "1", "1", "")]  # on, off, off, on
+    order = (("on", ""), ("off", "1"), ("off", "1"), ("on", ""))  # ABBA
+    runs = [
+        measure(f"pair {i} run {j} {label}", disable) for i in range(pairs) for j, (label, disable) in enumerate(order)
+    ]
     on = [r.get("tokens_per_s") or 0.0 for r in runs if r["disabled"] == ""]
     off = [r.get("tokens_per_s") or 0.0 for r in runs if r["disabled"] == "1"]
     pair_ratios = [(a + b) / (c + d) for a, b, c, d in zip(on[0::2], on[1::2], off[0::2], off[1::2]) if c + d]
@@ -91,13 +122,55 @@ def run(
     if fixes:
         base = statistics.median(on) if on else None
         result["one_fix_disabled"] = [
-            measure(status.name) | {"vs_all_on": None}
+            measure(f"without {status.name}", status.name) | {"vs_all_on": None}
             for status in torchfix.status()
             if status.state.value in ("applied", "pending import")
         ]
         for row in result["one_fix_disabled"]:
             row["vs_all_on"] = (row.get("tokens_per_s") or 0.0) / base if base else None
+    result["machines"] = sorted({r["machine"] for r in (*warmups, *ledger.rows()) if "machine" in r})
     return result
+
+
+class _Ledger:
+    """The finished runs of one schedule, one JSON line each (a slot and its row), so that an interrupted run
+    can go on. A ledger written for another shape (device, sizes, torch) is refused rather than mixed in."""
+
+    def __init__(self, path: Path, shape: tuple) -> None:
+        self.path, self.shape = path, json.loads(json.dumps(shape))
+        self._rows: dict[str, dict] = {}
+        text = path.read_text() if path.is_file() else ""
+        if text and not text.endswith("\n"):
+            with path.open("a") as f:  # end a line cut short, so that the next record starts a line of its own
+                f.write("\n")
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a killed run: that run is simply run again
+                print(f"bench cost: {path}:{number} is not a whole record; its run is run again", file=sys.stderr)
+                continue
+            if entry.get("shape") != self.shape:
+                raise SystemExit(
+                    f"bench cost: {path} holds runs of another shape {entry.get('shape')}; use another --out"
+                )
+            self._rows[entry["slot"]] = entry["row"]
+
+    def __contains__(self, slot: str) -> bool:
+        return slot in self._rows
+
+    def __getitem__(self, slot: str) -> dict:
+        return self._rows[slot]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def rows(self) -> list[dict]:
+        return list(self._rows.values())
+
+    def record(self, slot: str, row: dict) -> None:
+        self._rows[slot] = row
+        with self.path.open("a") as f:  # one write per line: a kill leaves at most one partial line
+            f.write(json.dumps({"slot": slot, "shape": self.shape, "row": row}) + "\n")
 
 
 ATTEMPTS = 3  # per run
@@ -154,7 +227,9 @@ def table(result: dict) -> str:
         f"torch {result['torch']}, {result['device']}, target {result['target_parameters'] / 1e6:.0f} M parameters, "
         f"1 drafter thread, {result['steps']} steps, global batch {result['global_batch']} x {result['seq_len']}"
     ]
-    every = [result["warmup"], *result.get("profiled_runs", {}).values(), *result["runs"]]
+    if len(result.get("machines", ())) > 1:
+        lines.append(f"runs from {len(result['machines'])} machines (resumed): {', '.join(result['machines'])}")
+    every = [*result["warmups"], *result.get("profiled_runs", {}).values(), *result["runs"]]
     every += result.get("one_fix_disabled", [])
     lines += [
         f"a run failed and was tried again (TORCHFIX_DISABLE={r['disabled']!r}): {error}"

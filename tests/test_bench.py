@@ -99,9 +99,26 @@ def test_cost_profile_diff_per_step():
     assert diff["largest_time_differences"][0] == {"op": "aten::mm", "calls": [4.0, 4.0], "self_us": [200.0, 100.0]}
     result = dict(torch="2.13.0", device="cpu", target_parameters=1e7, steps=4, global_batch=2, seq_len=64)
     retried = {"disabled": "1", "failed_attempts": ["RuntimeError: H1"], "tokens_per_s": 1.0}  # then it ran
-    result |= dict(warmup={"disabled": "", "failed_attempts": []}, runs=[retried], on_tokens_per_s=[])
+    result |= dict(warmups=[{"disabled": "", "failed_attempts": []}], runs=[retried], on_tokens_per_s=[])
     result |= dict(off_tokens_per_s=[1.0], ratio_of_medians=None, profile=diff)
     text = table(result)
     assert "profile, self CPU time per step: 0.25 ms with torchfix, 0.10 ms without" in text
     assert "a run failed and was tried again (TORCHFIX_DISABLE='1'): RuntimeError: H1" in text
     assert "a run failed (" not in text
+
+
+def test_cost_ledger_resumes_and_refuses_another_shape(tmp_path):
+    from bench.cost import _Ledger
+
+    path = tmp_path / "runs.jsonl"
+    ledger = _Ledger(path, ("cuda:0", 40, 12))
+    ledger.record("pair 0 run 0 on", {"tokens_per_s": 1.0})
+    with path.open("a") as f:
+        f.write('{"slot": "pair 0 run 1 off", "sha')  # what a run killed mid-write leaves
+    resumed = _Ledger(path, ("cuda:0", 40, 12))
+    assert "pair 0 run 0 on" in resumed and "pair 0 run 1 off" not in resumed
+    assert resumed["pair 0 run 0 on"] == {"tokens_per_s": 1.0}
+    resumed.record("pair 0 run 1 off", {"tokens_per_s": 2.0})
+    assert _Ledger(path, ("cuda:0", 40, 12))["pair 0 run 1 off"] == {"tokens_per_s": 2.0}
+    with pytest.raises(SystemExit, match="another shape"):
+        _Ledger(path, ("cpu", 12, 6))

@@ -112,3 +112,27 @@ def test_a_backward_traced_on_the_device_thread_sees_the_tracing_threads_state()
         runs[label] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert runs["with"]["seen"] == [{"other_thread": True, "tracer": True}], runs  # the device thread, traced
     assert runs["with"] == runs["without"], runs
+
+
+FAILED_CAPTURE = """
+import threading, torch, torchfix
+g = torch.cuda.CUDAGraph()
+try:
+    with torch.cuda.graph(g):
+        torch.ones(1, device="cuda") * 2
+        torch.cuda.synchronize()  # refused inside a capture: the capture fails
+except Exception as exc:
+    print("the capture failed:", type(exc).__name__)
+done = []
+other = threading.Thread(target=lambda: done.append(torch.cuda.graph(torch.cuda.CUDAGraph()).__enter__()), daemon=True)
+other.start()
+other.join(60)
+print("another thread captured" if done or not other.is_alive() else "another thread waits", flush=True)
+import os; os._exit(0)
+"""
+
+
+def test_a_failed_capture_leaves_captures_to_other_threads():
+    """cuda-graph-capture's lock over captures goes back when a capture fails in ``__exit__``."""
+    proc = subprocess.run([sys.executable, "-c", FAILED_CAPTURE], capture_output=True, text=True, timeout=180)
+    assert "the capture failed" in proc.stdout and "another thread captured" in proc.stdout, proc.stderr[-3000:]
