@@ -1,0 +1,89 @@
+"""optimized-module-flag: whether a compiled module's call is under way belongs to the thread that calls it.
+
+Every call of a module compiled with ``torch.compile`` (``OptimizedModule.__call__``) sets the module global
+``torch._dynamo.eval_frame._in_optimized_module`` to True while it runs (``_set_in_optimized_module``) and puts
+the old value back at its end. ``_is_in_optimized_module()`` reads it: ``torch.distributed._tools.ModTracker``
+(which FSDP2's memory tracker and the activation-checkpointing estimators use) skips its module hooks while it is
+True, since a compiled module's submodules run inside the graph. As a process global, one thread's compiled
+module call makes every other thread's ModTracker hooks skip their (eager) modules, and two calls that
+overlap can leave it True after both have ended (A sets it, B saves True, A restores False, B restores True).
+A global from 2.10 to 2.15.
+
+The flag moves to per-thread storage (``eval_frame._in_optimized_module_tls``) with :class:`ThreadLocalGlobals`;
+both functions that use it are in ``eval_frame``. A compiled module's call pays two per-thread accesses instead
+of two global ones (tens of nanoseconds, beside the context manager it already enters).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .._fix import Scenario, releases
+from .._patch import moved_globals_fix
+from .._selftest import Result, module_around
+
+MODULE = "torch._dynamo.eval_frame"
+NAME = "_in_optimized_module"
+
+
+def optimized_module_elsewhere(timeout: float = 60.0) -> Result | None:
+    """Thread A calls a compiled module whose graph waits while it runs; meanwhile the main thread, which runs
+    no compiled module, asks ``_is_in_optimized_module()``: it must answer False (and A, inside, True). None
+    where torch has no such flag (before 2.10)."""
+    import torch
+    from torch._dynamo import eval_frame
+
+    if not hasattr(eval_frame, "_is_in_optimized_module"):
+        return None
+    running, release, seen = threading.Event(), threading.Event(), {}
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            if not running.is_set():
+                seen["inside A's compiled module"] = eval_frame._is_in_optimized_module()
+                running.set()
+                release.wait(timeout)
+            return gm(*args)
+
+        return run
+
+    compiled = torch.compile(module_around(lambda x: x + 1), backend=backend)
+
+    def call_in_a() -> None:
+        try:
+            compiled(torch.ones(2))
+        except Exception as exc:
+            seen["A's call"] = f"raised {type(exc).__name__}: {exc}"
+        finally:
+            running.set()
+
+    thread = threading.Thread(target=call_in_a, name="torchfix-selftest", daemon=True)
+    thread.start()
+    running.wait(timeout)
+    seen["the main thread"] = eval_frame._is_in_optimized_module()
+    release.set()
+    thread.join(timeout)
+    detail = "; ".join(f"{where}: {value}" for where, value in seen.items())
+    hazard = seen.get("the main thread") is not False or seen.get("inside A's compiled module") is not True
+    return Result("optimized module (a compiled module's call in one thread, the flag read in another)", hazard, detail)
+
+
+FIX = moved_globals_fix(
+    "optimized-module-flag",
+    "while one thread calls a module compiled with torch.compile, _is_in_optimized_module() is True in every "
+    "thread, so other threads' ModTracker (FSDP2 memory tracking) skips their modules' hooks",
+    "2.10",
+    MODULE,
+    "_in_optimized_module_tls",
+    {NAME: "in_optimized_module"},
+    order=350,
+    trigger=MODULE,
+    scenarios=(
+        Scenario(
+            optimized_module_elsewhere,
+            releases("2.10"),
+            needs=f"{MODULE}.{NAME} (2.10+)",
+            shows="the main thread: True",
+        ),
+    ),
+)
