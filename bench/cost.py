@@ -22,6 +22,7 @@ names its machine, and the table says when the runs came from more than one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import statistics
@@ -60,7 +61,7 @@ def run(
         *flags,
     )
     shape = (device, steps, batch, seq_len, False)
-    ledger = _Ledger(work / "runs.jsonl", (*shape, quick, str(torch.__version__)))
+    ledger = _Ledger(work / "runs.jsonl", (*shape, quick, str(torch.__version__), _source_digest(torchfix)))
     warmups: list[dict] = []
 
     def attempt(disable: str, *more: str) -> dict:
@@ -132,9 +133,16 @@ def run(
     return result
 
 
+def _source_digest(package: object) -> str:
+    """A digest of a package's Python sources: runs of another torchfix are not mixed into a resumed schedule."""
+    files = sorted(Path(package.__file__).parent.rglob("*.py"))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+
+
 class _Ledger:
     """The finished runs of one schedule, one JSON line each (a slot and its row), so that an interrupted run
-    can go on. A ledger written for another shape (device, sizes, torch) is refused rather than mixed in."""
+    can go on. A ledger written for another shape (device, sizes, torch, torchfix's sources) is refused rather than
+    mixed in."""
 
     def __init__(self, path: Path, shape: tuple) -> None:
         self.path, self.shape = path, json.loads(json.dumps(shape))
