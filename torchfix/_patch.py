@@ -585,15 +585,12 @@ class _MovedGlobals:
 
 
 class AttributeUses(SourcePatch):
-    """Another module's uses of the moved names, rewritten to ``target.HOLDER.ATTR``: ``target.NAME`` reads and
-    writes, and the bare ``NAME`` of a module that imported it by name (``from target import NAME``).
+    """Another module's ``target.NAME`` reads and writes, rewritten to ``target.HOLDER.ATTR``.
 
     The companion of :class:`ThreadLocalGlobals` for the modules that write the moved names by module
     attribute (``torch.fx._symbolic_trace._is_fx_tracing_flag = False``): a module ``__getattr__`` can
-    serve reads, but nothing serves writes. A name imported by name holds the object it had at import, one
-    thread's (or, where torch rebinds the global, a stale one): its uses read the calling thread's instead,
-    through ``target`` as the module ``torch`` reaches it (the module must ``import torch`` or ``torch.x``). Optional:
-    releases that lack the module, or whose module does not use the names, get no edits.
+    serve reads, but nothing serves writes. Optional: releases that lack the module, or whose module
+    does not use the names, get no edits.
     """
 
     may_be_absent = True
@@ -603,10 +600,7 @@ class AttributeUses(SourcePatch):
         self.target, self.holder, self.attrs = target, holder, attrs
 
     def describe(self) -> str:
-        return (
-            f"{self.relpath} (where it uses them): `{self.target}.<name>` and names imported from it "
-            f"-> `{self.target}.{self.holder}.<attr>`"
-        )
+        return f"{self.relpath} (where it uses them): `{self.target}.<name>` -> `{self.target}.{self.holder}.<attr>`"
 
     def edits(self, source: str) -> list[Edit]:
         edits = []
@@ -616,6 +610,41 @@ class AttributeUses(SourcePatch):
                 if base != self.target:  # an alias we cannot follow: refuse rather than miss a write
                     raise ShapeError(f"{self.relpath} line {node.lineno}: {base}.{node.attr} is not {self.target}")
                 edits.append(replace_node(node, f"{self.target}.{self.holder}.{self.attrs[node.attr]}"))
+        return edits
+
+    def apply(self) -> None:
+        # Import the module only where it needs edits: some are costly (torch.export._trace: 1.5 s).
+        source = source_without_import(self.module_name)
+        edits = self.cached_edits(source) if source is not None else []
+        if edits:
+            self._apply(importlib.import_module(self.module_name), source, edits)
+
+    def verify(self) -> None:
+        if self._module is None:
+            return  # nothing to patch in this release
+        super().verify()
+        left = _accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs))
+        if left:
+            raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
+
+
+class ImportedNameUses(AttributeUses):
+    """:class:`AttributeUses`, and the bare ``NAME`` of a module that imported it by name (``from target import
+    NAME``), rewritten to ``target.HOLDER.ATTR`` too.
+
+    Such a name holds the object it had at import: one thread's, or, where torch rebinds the global, a stale one.
+    Its uses read the calling thread's instead, through ``target`` as the module ``torch`` reaches it (the module
+    must ``import torch`` or ``torch.x``).
+    """
+
+    def describe(self) -> str:
+        return (
+            f"{self.relpath} (where it uses them): `{self.target}.<name>`, and the names it imports from there, "
+            f"-> `{self.target}.{self.holder}.<attr>`"
+        )
+
+    def edits(self, source: str) -> list[Edit]:
+        edits = super().edits(source)
         for name in self._imported_by_name(source):
             uses, declared = _global_uses(source, self.relpath, name)
             if declared or any(not isinstance(use.ctx, ast.Load) for use in uses):
@@ -638,26 +667,18 @@ class AttributeUses(SourcePatch):
                     f"{self.relpath} line {node.lineno}: an import of {', '.join(sorted(found))} we cannot follow"
                 )
             names |= found
-        plain_torch = any(
+        binds_torch = any(
             isinstance(node, ast.Import)
             and any(alias.name.partition(".")[0] == "torch" and not alias.asname for alias in node.names)
             for node in tree.body
         )
-        if names and not (plain_torch and self.target.startswith("torch.")):
+        if names and not (binds_torch and self.target.startswith("torch.")):
             raise ShapeError(f"{self.relpath} imports {', '.join(sorted(names))} by name, and not torch")
         return names
 
-    def apply(self) -> None:
-        # Import the module only where it needs edits: some are costly (torch.export._trace: 1.5 s).
-        source = source_without_import(self.module_name)
-        edits = self.cached_edits(source) if source is not None else []
-        if edits:
-            self._apply(importlib.import_module(self.module_name), source, edits)
-
     def verify(self) -> None:
-        if self._module is None:
-            return  # nothing to patch in this release
         super().verify()
-        left = _accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"} | _GLOBAL_OPS, set(self.attrs))
-        if left:
-            raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
+        if self._module is not None:
+            left = _accesses_left(self._module, _GLOBAL_OPS, set(self.attrs))
+            if left:
+                raise ShapeError(f"{self.module_name}: global access left after patching: {', '.join(left)}")

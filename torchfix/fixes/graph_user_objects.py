@@ -20,7 +20,7 @@ each thread gets its own tables, made empty on first use. That is enough because
 written by the same call in the same thread (the bytecode's store, then the graph), and everything a compile reads
 by the same compile (registrations while tracing, then the bytecode generation): a thread calling a graph another
 thread compiled stores its own objects first, as upstream does for each call. What else reads them by name gets
-the calling thread's too (:class:`AttributeUses`): ``output_graph`` imports ``index_to_bytecode_constructor`` by
+the calling thread's too (:class:`ImportedNameUses`): ``output_graph`` imports ``index_to_bytecode_constructor`` by
 name, and AOTAutograd's ``runtime_wrappers`` (2.14+) ``index_to_external_object_weakref``, to snapshot a forward's
 objects for its backward (on 2.15 upstream's copy is the list from import, which the store's rebinding leaves
 stale even in one thread; it now reads the live table). A backward on autograd's CUDA device thread sees the
@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import AttributeUses, ThreadLocalGlobals, moved_global_probe
+from .._patch import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
 from .._selftest import Result, fresh
 
 MODULE = "torch._dynamo.graph_bytecode_inputs"
@@ -55,10 +56,37 @@ def _probe() -> str | None:
     return moved_global_probe(MODULE, HOLDER, "index_to_external_object_weakref", f"{MODULE} has no table")()
 
 
-def _patches(_torch_version: str) -> list[ThreadLocalGlobals | AttributeUses]:
+class _SideTables(ThreadLocalGlobals):
+    """The tables per thread; when the fix goes, the module gets back the very objects it had (holding the calling
+    thread's entries), which the modules that imported them by name still hold."""
+
+    def __init__(self) -> None:
+        super().__init__(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, TABLES)
+        self._originals: dict[str, list | dict] = {}
+
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
+        self._originals = {name: vars(module)[name] for name in TABLES}
+        super()._install_state(module, source)
+
+    def _remove_state(self, module: types.ModuleType) -> None:
+        super()._remove_state(module)
+        namespace = vars(module)
+        for name, table in self._originals.items():
+            entries = namespace[name]
+            if entries is not table:
+                table.clear()
+                if isinstance(table, dict):
+                    table.update(entries)
+                else:
+                    table.extend(entries)
+                namespace[name] = table
+        self._originals = {}
+
+
+def _patches(_torch_version: str) -> list[ThreadLocalGlobals | ImportedNameUses]:
     return [
-        ThreadLocalGlobals(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, TABLES),
-        *(AttributeUses(module, module.replace(".", "/") + ".py", MODULE, HOLDER, TABLES) for module in _BY_NAME),
+        _SideTables(),
+        *(ImportedNameUses(module, module.replace(".", "/") + ".py", MODULE, HOLDER, TABLES) for module in _BY_NAME),
     ]
 
 
