@@ -64,6 +64,9 @@ class _SideTables(ThreadLocalGlobals):
         super().__init__(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, TABLES)
         self._originals: dict[str, list | dict] = {}
 
+    def describe(self) -> str:
+        return super().describe() + "; when removed, the module gets back its own table objects"
+
     def _install_state(self, module: types.ModuleType, source: str) -> None:
         self._originals = {name: vars(module)[name] for name in TABLES}
         super()._install_state(module, source)
