@@ -11,9 +11,9 @@ Every compile clears all three (``reset_user_object_tracking``) and fills them w
 compiled frame that has such objects first stores the caller's objects in the table
 (``store_user_object_weakrefs``, 2.10 - 2.14 in place, 2.15 by rebinding it), then runs its graph. As process
 globals, a graph running in one thread looks up what another thread's call stored since: its leaf function runs the
-other thread's module, silently, its stream ops the other thread's streams (reproduced on 2.13 and 2.15), or, after
-another thread's compile cleared the table, ``AssertionError: Index not registered``. Globals from 2.10 (which added
-the module) to 2.15.
+other thread's module, silently (reproduced on 2.13, 2.14.1 and 2.15), its stream ops use the other thread's streams,
+or, after another thread's compile cleared the table, it raises ``AssertionError: Index not registered``. Globals
+from 2.10 (which added the module) to 2.15.
 
 The three move to per-thread storage (``graph_bytecode_inputs._user_objects_tls``) with :class:`ThreadLocalGlobals`:
 each thread gets its own tables, made empty on first use. That is enough because everything a graph's run reads is
