@@ -255,3 +255,26 @@ print(json.dumps(seen))
         "after": False,
         "backward_after_exit": "AssertionError: Trying to backward outside of the 'allow",
     }
+
+
+def test_user_object_tables_are_the_modules_own_again_after_uninstall_in_another_thread():
+    # graph-user-objects: output_graph (and, 2.14+, runtime_wrappers) hold the tables by name, as imported; the
+    # fix applied in a thread that first imported Dynamo and removed in the main thread must leave the module the
+    # very objects they hold, or every graph with user objects raises "Index not registered" after uninstall.
+    ran = run_ok("""
+import json, sys, threading
+import torch, torchfix
+thread = threading.Thread(target=lambda: __import__("torch._dynamo"))
+thread.start(); thread.join()
+states = {s.name: s.state.value for s in torchfix.status()}
+torchfix.uninstall()
+tables = sys.modules.get("torch._dynamo.graph_bytecode_inputs")
+aliases = [(sys.modules[user], name) for user, name in [
+    ("torch._dynamo.output_graph", "index_to_bytecode_constructor"),
+    ("torch._functorch._aot_autograd.runtime_wrappers", "index_to_external_object_weakref"),
+] if tables is not None and name in vars(sys.modules.get(user, object))]
+print(json.dumps([states["graph-user-objects"], [getattr(m, n) is getattr(tables, n) for m, n in aliases]]))
+""").json()
+    if ran[0] != "applied":
+        pytest.skip("graph-user-objects does not apply to this torch")
+    assert ran[1] and all(ran[1]), ran

@@ -626,3 +626,59 @@ class AttributeUses(SourcePatch):
         left = _accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs))
         if left:
             raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
+
+
+class ImportedNameUses(AttributeUses):
+    """:class:`AttributeUses`, and the bare ``NAME`` of a module that imported it by name (``from target import
+    NAME``), rewritten to ``target.HOLDER.ATTR`` too.
+
+    Such a name holds the object it had at import: one thread's, or, where torch rebinds the global, a stale one.
+    Its uses read the calling thread's instead, through ``target`` as the module ``torch`` reaches it (the module
+    must ``import torch`` or ``torch.x``).
+    """
+
+    def describe(self) -> str:
+        return (
+            f"{self.relpath} (where it uses them): `{self.target}.<name>`, and the names it imports from there, "
+            f"-> `{self.target}.{self.holder}.<attr>`"
+        )
+
+    def edits(self, source: str) -> list[Edit]:
+        edits = super().edits(source)
+        for name in self._imported_by_name(source):
+            uses, declared = _global_uses(source, self.relpath, name)
+            if declared or any(not isinstance(use.ctx, ast.Load) for use in uses):
+                raise ShapeError(f"{self.relpath}: assigns {name}, which it imports from {self.target}")
+            edits += [replace_node(use, f"{self.target}.{self.holder}.{self.attrs[name]}") for use in uses]
+        return edits
+
+    def _imported_by_name(self, source: str) -> set[str]:
+        """The moved names the module imports from ``target`` by name (at module level: a function that did would
+        hold its own copy, which is refused)."""
+        tree, names = parse(source), set()
+        package = self.module_name if self.relpath.endswith("__init__.py") else self.module_name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            origin = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+            found = {alias.name for alias in node.names if alias.name in self.attrs} if origin == self.target else set()
+            if found and (node not in tree.body or any(alias.asname for alias in node.names if alias.name in found)):
+                raise ShapeError(
+                    f"{self.relpath} line {node.lineno}: an import of {', '.join(sorted(found))} we cannot follow"
+                )
+            names |= found
+        binds_torch = any(
+            isinstance(node, ast.Import)
+            and any(alias.name.partition(".")[0] == "torch" and not alias.asname for alias in node.names)
+            for node in tree.body
+        )
+        if names and not (binds_torch and self.target.startswith("torch.")):
+            raise ShapeError(f"{self.relpath} imports {', '.join(sorted(names))} by name, and not torch")
+        return names
+
+    def verify(self) -> None:
+        super().verify()
+        if self._module is not None:
+            left = _accesses_left(self._module, _GLOBAL_OPS, set(self.attrs))
+            if left:
+                raise ShapeError(f"{self.module_name}: global access left after patching: {', '.join(left)}")
