@@ -626,3 +626,63 @@ class AttributeUses(SourcePatch):
         left = _accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs))
         if left:
             raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
+
+
+class ByNameImports(SourcePatch):
+    """Another module's reads of moved globals it imports by name (``from torch.fx.traceback import current_meta``),
+    rewritten to ``target.NAME``.
+
+    The companion of :class:`AttributeUses` for a name bound at import: it holds the object the global held then,
+    the installing thread's (and, where torch rebinds the global, a stale one even in one thread). Read through the
+    module attribute, it reaches the module ``__getattr__`` of :class:`ThreadLocalGlobals`: the calling thread's.
+    Optional: releases that lack the module, or do not import the names by name, get no edits.
+    """
+
+    may_be_absent = True
+
+    def __init__(self, module: str, relpath: str, target: str, names: frozenset[str]) -> None:
+        super().__init__(module, relpath)
+        self.target, self.names = target, names
+
+    def describe(self) -> str:
+        names = ", ".join(sorted(self.names))
+        return f"{self.relpath} (where it imports {names} by name): its reads go through `{self.target}.<name>`"
+
+    def edits(self, source: str) -> list[Edit]:
+        tree = parse(source)
+        imported = [
+            alias
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom) and node.module == self.target and node.level == 0
+            for alias in node.names
+            if alias.name in self.names
+        ]
+        if not imported:
+            return []
+        root = self.target.split(".")[0]
+        if any(alias.asname for alias in imported) or not any(
+            isinstance(node, ast.Import) and any(alias.name.split(".")[0] == root for alias in node.names)
+            for node in tree.body
+        ):
+            raise ShapeError(f"{self.relpath}: expected `import {root}` and no alias for {', '.join(self.names)}")
+        edits = []
+        for alias in imported:
+            uses, declared = _global_uses(source, self.relpath, alias.name)
+            if declared or any(not isinstance(use.ctx, ast.Load) for use in uses):
+                raise ShapeError(f"{self.relpath}: assigns {alias.name}")
+            edits += [replace_node(use, f"{self.target}.{alias.name}") for use in uses]
+        return edits
+
+    def apply(self) -> None:
+        source = source_without_import(self.module_name)
+        edits = self.cached_edits(source) if source is not None else []
+        if edits:
+            self._apply(importlib.import_module(self.module_name), source, edits)
+
+    def verify(self) -> None:
+        if self._module is None:
+            return  # nothing to patch in this release
+        super().verify()
+        left = _accesses_left(self._module, _GLOBAL_OPS, set(self.names))
+        if left:
+            raise ShapeError(f"{self.module_name}: by-name reads left after patching: {', '.join(left)}")
