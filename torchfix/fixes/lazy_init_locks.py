@@ -143,11 +143,12 @@ def _stopping(
         same = frame.f_code.co_name == code.co_name and frame.f_code.co_filename == code.co_filename
         return on_line if same else None
 
+    previous = sys.gettrace()
     sys.settrace(on_call)
     try:
         return call()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
 
 
 def _hold(reached: threading.Event, release: threading.Event, timeout: float) -> Callable[[types.FrameType], None]:
