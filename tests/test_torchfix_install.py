@@ -274,7 +274,11 @@ def load_triggers():  # the fixes that wait for a part of torch apply when it is
         except ImportError:
             pass
 def hazard():
-    return {call}.hazard
+    result = {call}
+    if result is None:  # what the scenario needs is not here (a CUDA device)
+        print("null", flush=True)
+        os._exit(0)
+    return result.hazard
 load_triggers()
 found = {{"with": hazard()}}
 torchfix.uninstall()
@@ -291,4 +295,6 @@ os._exit(0)  # torch 2.3's interpreter teardown after a threaded compile can abo
 @pytest.mark.parametrize("declared", SHOWN_HERE, ids=[s["fix"] for s in SHOWN_HERE])
 def test_uninstall_brings_each_hazard_back_and_install_removes_it_again(declared):
     found = run_ok(UNINSTALL_ONE.format(call=declared["call"], fix=declared["fix"])).json()
+    if found is None:
+        pytest.skip(f"the scenario needs {declared['needs']}")
     assert found == {"with": False, "after uninstall": True, "after reinstall": False, "state": "applied"}, found

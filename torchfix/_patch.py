@@ -357,17 +357,22 @@ def moved_globals_fix(
     )
 
 
-def _accesses_left(module: types.ModuleType, opnames: set[str], names: set[str]) -> list[str]:
+def _accesses_left(module: types.ModuleType, opnames: set[str], names: set[str], holder: str = "") -> list[str]:
     """The instructions of ``opnames`` on ``names`` still in the module's live functions, as
-    "function: OPNAME name": what a patch that rewrote every such access must not find."""
-    return [
-        f"{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}: {ins.opname} {ins.argval}"
-        for func in live_functions(module)
-        for code in iter_code(func.__code__)
-        if not names.isdisjoint(code.co_names)  # disassemble only code that names them
-        for ins in dis.get_instructions(code)
-        if ins.opname in opnames and ins.argval in names
-    ]
+    "function: OPNAME name": what a patch that rewrote every such access must not find. An attribute read right
+    off ``holder`` (``target.HOLDER.NAME``, where a holder's attribute keeps the global's name) is a rewritten one."""
+    left = []
+    for func in live_functions(module):
+        for code in iter_code(func.__code__):
+            if names.isdisjoint(code.co_names):  # disassemble only code that names them
+                continue
+            previous = None
+            for ins in dis.get_instructions(code):
+                rewritten = previous is not None and previous.opname == "LOAD_ATTR" and previous.argval == holder
+                if ins.opname in opnames and ins.argval in names and not (holder and rewritten):
+                    left.append(f"{getattr(code, 'co_qualname', code.co_name)}: {ins.opname} {ins.argval}")
+                previous = ins
+    return left
 
 
 class ThreadLocalGlobals(SourcePatch):
@@ -623,7 +628,7 @@ class AttributeUses(SourcePatch):
         if self._module is None:
             return  # nothing to patch in this release
         super().verify()
-        left = _accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs))
+        left = _accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs), self.holder)
         if left:
             raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
 

@@ -14,21 +14,24 @@ The globals move to per-thread storage (``torch.fx.traceback._node_meta_tls``) w
 :class:`ThreadLocalGlobals`: the flags keep their fast read, and each thread gets its own ``current_meta``
 dict (``{}``, made on its first read; the installing thread keeps the dict it had). Other modules use
 ``fx_traceback.current_meta[...]`` by module attribute (AOTAutograd, ``make_fx``, checkpoint), which
-reaches the module ``__getattr__`` and so the calling thread's dict. Not covered: torch 2.13 - 2.15's
-``_higher_order_ops/flex_attention.py`` imports ``current_meta`` by name at import, so it reads the dict of
-the thread that imported it (upstream's copy goes stale the same way once ``preserve_node_meta`` rebinds
-the global).
+reaches the module ``__getattr__`` and so the calling thread's dict. torch 2.13 - 2.15's
+``_higher_order_ops/flex_attention.py`` imports ``current_meta`` by name, so its autograd forward read the dict
+bound at import: the installing thread's, and upstream a stale one once any ``preserve_node_meta`` (every
+compile) had rebound the global; its read goes through the module attribute too (:class:`ImportedNameUses`).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result
+from .._patch import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
+from .._selftest import Result, in_thread
 
 MODULE = "torch.fx.traceback"
+FLEX = "torch._higher_order_ops.flex_attention"
 HOLDER = "_node_meta_tls"
 GLOBALS = {
     "current_meta": "current_meta",
@@ -63,6 +66,40 @@ def node_meta_elsewhere(timeout: float = 60.0) -> Result:
     return Result("node meta (recorded in one thread, read by another thread's graphs)", leaked, detail)
 
 
+def flex_sparsity_hint(timeout: float = 60.0) -> Result | None:
+    """After a compile somewhere (``preserve_node_meta()``, which rebinds ``current_meta`` on exit), a thread runs
+    flex attention's autograd forward inside ``annotate({"sparsity_hint": 0.5})``: the hint it records for its
+    backward must be 0.5. On CPU (no flex backward there) the forward is called as the autograd key does. None
+    before torch 2.13, where flex attention reads no sparsity hint."""
+    import torch
+    from torch.fx import traceback as fx_traceback
+
+    try:
+        from torch._higher_order_ops.flex_attention import FlexAttentionAutogradOp
+        from torch.nn.attention.flex_attention import _apply_kernel_options, _create_empty_block_mask
+    except ImportError:
+        return None
+    if "current_meta" not in vars(sys.modules[FLEX]):
+        return None
+    with fx_traceback.preserve_node_meta():
+        pass
+
+    def forward() -> float:
+        q = torch.ones(1, 1, 1, 1, requires_grad=True)
+        block_mask, options = _create_empty_block_mask(q, q).as_tuple(), _apply_kernel_options(q, q, q, False, None)
+        with fx_traceback.annotate({"sparsity_hint": 0.5}), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex attention without torch.compile: a warning, once
+            out, _, _ = FlexAttentionAutogradOp.apply(
+                q, q, q, lambda score, *_: score, None, block_mask, 1.0, options, ()
+            )
+        return out.grad_fn._sparsity_hint
+
+    hint = in_thread(forward, timeout)
+    if isinstance(hint, Exception):
+        raise hint
+    return Result("flex attention's sparsity hint (annotated in the calling thread)", hint != 0.5, f"recorded {hint}")
+
+
 FIX = Fix(
     name="fx-node-meta",
     order=80,
@@ -77,9 +114,23 @@ FIX = Fix(
             HOLDER,
             GLOBALS,
             optional=frozenset({"current_replay_node", "_should_preserve_node_meta"}),
-        )
+        ),
+        # torch 2.13+: flex attention's autograd forward reads the sparsity hint from a by-name import.
+        ImportedNameUses(
+            FLEX, "torch/_higher_order_ops/flex_attention.py", MODULE, HOLDER, {"current_meta": GLOBALS["current_meta"]}
+        ),
     ],
     trigger=MODULE,
     # Stage 1: without the fix, torch 2.2 keeps the recorded meta in the process after the scenario.
-    scenarios=(Scenario(node_meta_elsewhere, releases("2.0"), stage=1),),
+    scenarios=(
+        Scenario(node_meta_elsewhere, releases("2.0"), stage=1),
+        # Stage 2: flex attention's eager path runs vmap, whose first call lazy-init-locks' scenario (stage 1) needs.
+        Scenario(
+            flex_sparsity_hint,
+            releases("2.13"),
+            needs="flex attention reading a sparsity hint (2.13+)",
+            shows="recorded 0.0",
+            stage=2,
+        ),
+    ),
 )
