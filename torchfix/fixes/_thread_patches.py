@@ -22,6 +22,7 @@ traced code; ``torch.autograd``'s functions). Every dispatcher runs one code obj
 
 from __future__ import annotations
 
+import ast
 import builtins
 import sys
 import threading
@@ -30,9 +31,65 @@ from collections.abc import Callable
 
 import wrapt
 
+from .._source import Edit, replace_node, segment
 from .._thread_stash import ThreadSpaces
 
 _ABSENT = object()
+
+
+def in_finally(function: ast.FunctionDef) -> set[int]:
+    """The ids of the statements in the ``finally:`` blocks of ``function``: where torch restores what it patched."""
+    return {
+        id(stmt)
+        for node in ast.walk(function)
+        if isinstance(node, ast.Try)
+        for block in node.finalbody
+        for stmt in ast.walk(block)
+    }
+
+
+def patch_edits(
+    source: str, function: ast.FunctionDef, helper: str, slot: Callable[[str, str], str | None], bind: bool = False
+) -> dict[str, list[Edit]]:
+    """The edits that send ``function``'s patches of a slot through ``helper`` (a :class:`ThreadPatches`), by kind:
+    ``"write"`` (``owner.attr = value``, ``setattr(owner, name, value)``), ``"restore"`` (the same in a ``finally``
+    block) and ``"read"`` (``owner.attr``, ``getattr(owner, name)``). ``slot(owner, name)`` maps the texts of an owner
+    and a name (``'"attr"'`` for ``owner.attr``) to the slot as ThreadPatches takes it (``'vars(torch), name'``), or
+    None where that is not the slot. ``bind``: a class's patch is a descriptor (``functools.partialmethod``), which
+    the dispatcher calls as the class attribute gives it (``value.__get__(None, owner)``)."""
+
+    def text(node: ast.AST) -> str:
+        return segment(source, node)
+
+    restores, edits = in_finally(function), {"write": [], "restore": [], "read": []}
+    for node in ast.walk(function):
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+        call = node.value if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) else None
+        if isinstance(target, ast.Attribute):
+            owner, name, value = text(target.value), f'"{target.attr}"', node.value
+        elif call is not None and isinstance(call.func, ast.Name) and call.func.id == "setattr" and len(call.args) == 3:
+            owner, name, value = text(call.args[0]), text(call.args[1]), call.args[2]
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            found = slot(text(node.value), f'"{node.attr}"')
+            if found:
+                edits["read"].append(replace_node(node, f"{helper}.current({found})"))
+            continue
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+            found = slot(*(text(arg) for arg in node.args)) if len(node.args) == 2 else None
+            if found:
+                edits["read"].append(replace_node(node, f"{helper}.current({found})"))
+            continue
+        else:
+            continue
+        found = slot(owner, name)
+        if not found:
+            continue
+        if id(node) in restores:
+            edits["restore"].append(replace_node(node, f"{helper}.unset({found})"))
+        else:
+            patch = f"{text(value)}.__get__(None, {owner})" if bind else text(value)
+            edits["write"].append(replace_node(node, f"{helper}.set({found}, {patch})"))
+    return edits
 
 
 class _Slot:
