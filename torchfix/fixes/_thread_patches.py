@@ -31,10 +31,12 @@ from collections.abc import Callable
 
 import wrapt
 
-from .._source import Edit, replace_node, segment
+from .._patch import SourcePatch, source_without_import
+from .._source import Edit, ShapeError, definitions, parse, replace_node, segment
 from .._thread_stash import ThreadSpaces
 
 _ABSENT = object()
+HELPER = "_thread_patches"  # the ThreadPatches' name in a patched module (SlotPatches)
 
 
 def in_finally(function: ast.FunctionDef) -> set[int]:
@@ -46,50 +48,6 @@ def in_finally(function: ast.FunctionDef) -> set[int]:
         for block in node.finalbody
         for stmt in ast.walk(block)
     }
-
-
-def patch_edits(
-    source: str, function: ast.FunctionDef, helper: str, slot: Callable[[str, str], str | None], bind: bool = False
-) -> dict[str, list[Edit]]:
-    """The edits that send ``function``'s patches of a slot through ``helper`` (a :class:`ThreadPatches`), by kind:
-    ``"write"`` (``owner.attr = value``, ``setattr(owner, name, value)``), ``"restore"`` (the same in a ``finally``
-    block) and ``"read"`` (``owner.attr``, ``getattr(owner, name)``). ``slot(owner, name)`` maps the texts of an owner
-    and a name (``'"attr"'`` for ``owner.attr``) to the slot as ThreadPatches takes it (``'vars(torch), name'``), or
-    None where that is not the slot. ``bind``: a class's patch is a descriptor (``functools.partialmethod``), which
-    the dispatcher calls as the class attribute gives it (``value.__get__(None, owner)``)."""
-
-    def text(node: ast.AST) -> str:
-        return segment(source, node)
-
-    restores, edits = in_finally(function), {"write": [], "restore": [], "read": []}
-    for node in ast.walk(function):
-        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
-        call = node.value if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) else None
-        if isinstance(target, ast.Attribute):
-            owner, name, value = text(target.value), f'"{target.attr}"', node.value
-        elif call is not None and isinstance(call.func, ast.Name) and call.func.id == "setattr" and len(call.args) == 3:
-            owner, name, value = text(call.args[0]), text(call.args[1]), call.args[2]
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-            found = slot(text(node.value), f'"{node.attr}"')
-            if found:
-                edits["read"].append(replace_node(node, f"{helper}.current({found})"))
-            continue
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
-            found = slot(*(text(arg) for arg in node.args)) if len(node.args) == 2 else None
-            if found:
-                edits["read"].append(replace_node(node, f"{helper}.current({found})"))
-            continue
-        else:
-            continue
-        found = slot(owner, name)
-        if not found:
-            continue
-        if id(node) in restores:
-            edits["restore"].append(replace_node(node, f"{helper}.unset({found})"))
-        else:
-            patch = f"{text(value)}.__get__(None, {owner})" if bind else text(value)
-            edits["write"].append(replace_node(node, f"{helper}.set({found}, {patch})"))
-    return edits
 
 
 class _Slot:
@@ -209,3 +167,98 @@ def skip_in_dynamo_when_imported() -> None:
     elif not _skip_hook_registered:
         _skip_hook_registered = True
         wrapt.register_post_import_hook(_skip_in_dynamo, "torch._dynamo.eval_frame")
+
+
+class SlotPatches(SourcePatch):
+    """A torch function that patches a slot while it works and restores it after, made to patch per thread: its
+    writes of ``owner.attr`` (``setattr(owner, name, value)`` where ``attr`` is None: a module's names by variable),
+    its restores in ``finally`` and its reads of the slot go through ``_thread_patches``, a :class:`ThreadPatches`
+    in the module. ``owner`` None: any owner (a class in a variable). ``function``: a qualified name (``Class.f``) or
+    the name of a nested function. ``bind``: torch writes a descriptor (``functools.partialmethod``), which the
+    dispatcher calls as the class attribute gives it (``value.__get__(None, owner)``). A release that lacks the
+    module gets no edits."""
+
+    may_be_absent = True
+
+    def __init__(
+        self, module: str, function: str, owner: str | None, attr: str | None, reads: int, bind: bool = False
+    ) -> None:
+        super().__init__(module, module.replace(".", "/") + ".py")
+        self.function, self.owner, self.attr, self.reads, self.bind = function, owner, attr, reads, bind
+
+    def describe(self) -> str:
+        return super().describe() + f"; adds {HELPER}, which keeps {self.function}'s patches per thread"
+
+    def _slot(self, owner: str, name: str) -> str | None:
+        """The slot as ThreadPatches takes it, from the texts of an owner and a name (``'"attr"'`` for
+        ``owner.attr``); None where that is not the slot."""
+        if self.owner is not None and owner != self.owner:
+            return None
+        if self.attr is None:  # setattr(torch, name, ...), getattr(torch, name)
+            return None if name.startswith('"') else f"vars({owner}), {name}"
+        return f"{owner}, {name}" if name == f'"{self.attr}"' else None
+
+    def _function(self, source: str) -> ast.FunctionDef:
+        found = definitions(source).get(self.function)
+        nested = [node for node in ast.walk(parse(source)) if isinstance(node, ast.FunctionDef)]
+        nested = [node for node in nested if node.name == self.function]
+        if found is None and len(nested) != 1:
+            raise ShapeError(f"{self.relpath}: expected one {self.function}, found {len(nested)}")
+        return found or nested[0]
+
+    def edits(self, source: str) -> list[Edit]:
+        function = self._function(source)
+        restores, edits = in_finally(function), {"write": [], "restore": [], "read": []}
+
+        def text(node: ast.AST) -> str:
+            return segment(source, node)
+
+        def read(node: ast.AST, owner: str, name: str) -> None:
+            found = self._slot(owner, name)
+            if found:
+                edits["read"].append(replace_node(node, f"{HELPER}.current({found})"))
+
+        for node in ast.walk(function):
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+            call = node.value if isinstance(node, ast.Expr) else node
+            if isinstance(target, ast.Attribute):  # owner.attr = value
+                owner, name, value = text(target.value), f'"{target.attr}"', node.value
+            elif isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and len(call.args) in (2, 3):
+                if call.func.id == "getattr" and len(call.args) == 2 and call is node:
+                    read(node, text(call.args[0]), text(call.args[1]))
+                if call.func.id != "setattr" or call is node or len(call.args) != 3:
+                    continue
+                owner, name, value = text(call.args[0]), text(call.args[1]), call.args[2]
+            else:
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                    read(node, text(node.value), f'"{node.attr}"')
+                continue
+            found = self._slot(owner, name)
+            if not found:
+                continue
+            if id(node) in restores:
+                edits["restore"].append(replace_node(node, f"{HELPER}.unset({found})"))
+            else:
+                patch = f"{text(value)}.__get__(None, {owner})" if self.bind else text(value)
+                edits["write"].append(replace_node(node, f"{HELPER}.set({found}, {patch})"))
+        counts = {kind: len(kind_edits) for kind, kind_edits in edits.items()}
+        if counts != {"write": 1, "restore": 1, "read": self.reads}:
+            raise ShapeError(
+                f"{self.relpath} {self.function}: expected one write and restore, {self.reads} reads of "
+                f"the slot; found {counts}"
+            )
+        return [edit for kind_edits in edits.values() for edit in kind_edits]
+
+    def apply(self) -> None:
+        if source_without_import(self.module_name) is not None:
+            super().apply()
+
+    def verify(self) -> None:
+        if source_without_import(self.module_name) is not None:
+            super().verify()
+
+    def helpers(self) -> dict[str, object]:
+        return {HELPER: ThreadPatches()}
+
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
+        skip_in_dynamo_when_imported()

@@ -20,50 +20,17 @@ gives it (``partialmethod.__get__(None, cls)``).
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import threading
-import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch, source_without_import
+from .._patch import source_without_import
 from .._selftest import Result
-from .._source import Edit, ShapeError, parse
-from ._thread_patches import ThreadPatches, patch_edits, skip_in_dynamo_when_imported
+from ._thread_patches import HELPER, SlotPatches
 
 MODULE = "torch.export._trace"
 FUNCTION = "override_getattribute_for_subclasses"  # nested in the non-strict trace (_export_to_aten_ir_make_fx)
 ATTR = "__getattribute__"
-HELPER = "_thread_patches"
-
-
-class _PerThreadGetattribute(SourcePatch):
-    def __init__(self) -> None:
-        super().__init__(MODULE, "torch/export/_trace.py")
-
-    def describe(self) -> str:
-        return super().describe() + f"; adds {HELPER}, which keeps the subclass patches per thread"
-
-    def edits(self, source: str) -> list[Edit]:
-        found = [node for node in ast.walk(parse(source)) if isinstance(node, ast.FunctionDef)]
-        found = [node for node in found if node.name == FUNCTION]
-        if len(found) != 1:
-            raise ShapeError(f"{self.relpath}: expected one {FUNCTION}, found {len(found)}")
-
-        def slot(owner: str, name: str) -> str | None:
-            return f'{owner}, "{ATTR}"' if name == f'"{ATTR}"' else None
-
-        edits = patch_edits(source, found[0], HELPER, slot, bind=True)
-        counts = {kind: len(kind_edits) for kind, kind_edits in edits.items()}
-        if set(counts.values()) != {1}:
-            raise ShapeError(f"{self.relpath} {FUNCTION}: expected one read, write and restore, found {counts}")
-        return [edit for kind_edits in edits.values() for edit in kind_edits]
-
-    def helpers(self) -> dict[str, object]:
-        return {HELPER: ThreadPatches()}
-
-    def _install_state(self, module: types.ModuleType, source: str) -> None:
-        skip_in_dynamo_when_imported()
 
 
 def _probe() -> str | None:
@@ -146,7 +113,7 @@ FIX = Fix(
     "traces; two exports of one subclass that overlap leave an exporter's wrapper on the class for good",
     versions=releases("2.7"),
     probe=_probe,
-    patches=lambda _torch_version: [_PerThreadGetattribute()],
+    patches=lambda _torch_version: [SlotPatches(MODULE, FUNCTION, owner=None, attr=ATTR, reads=1, bind=True)],
     trigger=MODULE,
     scenarios=(
         Scenario(
