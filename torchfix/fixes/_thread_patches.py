@@ -200,47 +200,53 @@ class SlotPatches(SourcePatch):
 
     def _function(self, source: str) -> ast.FunctionDef:
         found = definitions(source).get(self.function)
+        if found is not None:
+            return found
         nested = [node for node in ast.walk(parse(source)) if isinstance(node, ast.FunctionDef)]
         nested = [node for node in nested if node.name == self.function]
-        if found is None and len(nested) != 1:
+        if len(nested) != 1:
             raise ShapeError(f"{self.relpath}: expected one {self.function}, found {len(nested)}")
-        return found or nested[0]
+        return nested[0]
 
-    def edits(self, source: str) -> list[Edit]:
-        function = self._function(source)
-        restores, edits = in_finally(function), {"write": [], "restore": [], "read": []}
+    @staticmethod
+    def _use(source: str, node: ast.AST) -> tuple[str, str, ast.expr | None] | None:
+        """The texts of owner and name, and the value, of a write by ``node`` (``owner.attr = value``,
+        ``setattr(owner, name, value)``); value None for a read (``owner.attr``, ``getattr(owner, name)``); None
+        for any other node. A name written as an attribute comes quoted (``'"attr"'``)."""
+
+        def call_of(node: ast.AST, function: str, args: int) -> list[ast.expr] | None:
+            is_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == function
+            return node.args if is_call and len(node.args) == args else None
 
         def text(node: ast.AST) -> str:
             return segment(source, node)
 
-        def read(node: ast.AST, owner: str, name: str) -> None:
-            found = self._slot(owner, name)
-            if found:
-                edits["read"].append(replace_node(node, f"{HELPER}.current({found})"))
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute):
+            return text(node.targets[0].value), f'"{node.targets[0].attr}"', node.value
+        if isinstance(node, ast.Expr) and (args := call_of(node.value, "setattr", 3)):
+            return text(args[0]), text(args[1]), args[2]
+        if args := call_of(node, "getattr", 2):
+            return text(args[0]), text(args[1]), None
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            return text(node.value), f'"{node.attr}"', None
+        return None
 
+    def edits(self, source: str) -> list[Edit]:
+        function = self._function(source)
+        restores, edits = in_finally(function), {"write": [], "restore": [], "read": []}
         for node in ast.walk(function):
-            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
-            call = node.value if isinstance(node, ast.Expr) else node
-            if isinstance(target, ast.Attribute):  # owner.attr = value
-                owner, name, value = text(target.value), f'"{target.attr}"', node.value
-            elif isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and len(call.args) in (2, 3):
-                if call.func.id == "getattr" and len(call.args) == 2 and call is node:
-                    read(node, text(call.args[0]), text(call.args[1]))
-                if call.func.id != "setattr" or call is node or len(call.args) != 3:
-                    continue
-                owner, name, value = text(call.args[0]), text(call.args[1]), call.args[2]
-            else:
-                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-                    read(node, text(node.value), f'"{node.attr}"')
+            use = self._use(source, node)
+            slot = self._slot(*use[:2]) if use else None
+            if slot is None:
                 continue
-            found = self._slot(owner, name)
-            if not found:
-                continue
-            if id(node) in restores:
-                edits["restore"].append(replace_node(node, f"{HELPER}.unset({found})"))
+            owner, _, value = use
+            if value is None:
+                edits["read"].append(replace_node(node, f"{HELPER}.current({slot})"))
+            elif id(node) in restores:
+                edits["restore"].append(replace_node(node, f"{HELPER}.unset({slot})"))
             else:
-                patch = f"{text(value)}.__get__(None, {owner})" if self.bind else text(value)
-                edits["write"].append(replace_node(node, f"{HELPER}.set({found}, {patch})"))
+                patch = segment(source, value) + (f".__get__(None, {owner})" if self.bind else "")
+                edits["write"].append(replace_node(node, f"{HELPER}.set({slot}, {patch})"))
         counts = {kind: len(kind_edits) for kind, kind_edits in edits.items()}
         if counts != {"write": 1, "restore": 1, "read": self.reads}:
             raise ShapeError(
