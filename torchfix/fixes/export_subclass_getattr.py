@@ -1,4 +1,4 @@
-"""export-subclass-getattribute: non-strict export's ``__getattribute__`` patch of a tensor subclass acts only in
+"""export-subclass-getattr: non-strict export's ``__getattribute__`` patch of a tensor subclass acts only in
 the exporting thread.
 
 A non-strict ``torch.export.export`` whose inputs (parameters, buffers, arguments) hold tensor subclasses (torchao's
@@ -107,7 +107,7 @@ def overlapping_subclass_exports(timeout: float = 60.0) -> Result | None:
 
 
 FIX = Fix(
-    name="export-subclass-getattribute",
+    name="export-subclass-getattr",
     order=395,
     hazard="non-strict torch.export.export patches a tensor subclass's __getattribute__ for the process while it "
     "traces; two exports of one subclass that overlap leave an exporter's wrapper on the class for good",
