@@ -8,8 +8,8 @@ tensor records ``export.access_subclass_inner_tensor`` in the graph. It writes t
 puts back what it found when the trace ends. While it traces, every attribute read of that subclass in every thread
 runs the exporter's wrapper in Python. Two exports of one subclass type that overlap in time restore out of order:
 the second finds the first one's wrapper, wraps it and finally puts it back, so that wrapper stays on the class for
-good (reproduced on torch 2.13 and 2.15: every later attribute read of the subclass, in any thread, goes through
-it, and every later export of it records each inner-tensor read twice).
+good (reproduced on torch 2.10, 2.13 and 2.15): every later attribute read of the subclass, in any thread, goes
+through it.
 
 The three lines go through ``torch.export._trace._thread_patches``, a ``ThreadPatches`` (``fixes/_thread_patches.py``,
 the per-thread dispatcher of trace-patch-isolation): the read of the method to wrap is the calling thread's view (the

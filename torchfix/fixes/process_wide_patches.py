@@ -1,6 +1,6 @@
 """process-wide-patches: what torch patches for one trace while it works acts only in the thread that traces.
 
-Two context managers of torch write into a class or module for their duration, process-wide, and write the
+Two pieces of torch write into a class or module while they run, process-wide, and write the
 originals back at their end:
 
 * ``torch._higher_order_ops.torchbind.enable_torchbind_tracing()`` (torch 2.3+; nothing in torch enters it, users
@@ -9,8 +9,9 @@ originals back at their end:
   higher-order operator. While one thread is inside, every thread's torchbind calls go there: under a
   ``TorchDispatchMode`` of its own (a logging or FLOP-counting mode) another thread's plain ``packed.bias()`` raises
   ``NotImplementedError: There was no rule registered for HigherOrderOperator call_torchbind`` (reproduced on torch
-  2.13 and 2.15), and when one of two threads inside it leaves, the other's calls stop being traced as torchbind
-  calls;
+  2.10, 2.13 and 2.15; by the code an ``AssertionError`` on 2.3 – 2.4, which send every ``ScriptObject``'s methods
+  there, TorchScript modules' too), and when one of two threads inside it leaves, the other's calls stop being
+  traced as torchbind calls;
 * ``torch.fx.experimental.meta_tracer.MetaTracer.trace`` (2.0+, a legacy tracer) sets ``torch.arange``, ``zeros``,
   ``ones``, ``full_like`` and ``eye`` to wrappers, by ``setattr(torch, ...)``. Every thread's calls go through them,
   and two traces that overlap restore out of order: the second wraps the first one's wrappers and finally puts
@@ -180,7 +181,7 @@ FIX = Fix(
             torchbind_call_elsewhere,
             releases("2.3"),
             needs="enable_torchbind_tracing (2.3+) and quantized linear",
-            shows="raised NotImplementedError",
+            shows="under its dispatch mode raised",
         ),
         Scenario(overlapping_meta_traces, releases("2.0"), shows="left patched: torch.arange", stage=1),
     ),
