@@ -3,9 +3,12 @@
 Some torch code patches a function for the whole process while it works, by writing into a class or a module
 dict, and puts the original back at its end: ``Tracer.trace`` patches ``nn.Module.__call__`` and the traced code's
 globals (trace-patch-isolation), ``torch.compiler._patch_engine_backward()`` patches
-``torch.autograd._engine_run_backward`` (autograd-entry-patches). Every other thread then runs the patch, and two
-threads patching one slot restore each other's values out of order. A fix rewrites those writes to a
-:class:`ThreadPatches` (the torch module holds it as a helper, one per fix):
+``torch.autograd._engine_run_backward`` (autograd-entry-patches), ``enable_torchbind_tracing()`` and ``MetaTracer``
+patch ``torch.ScriptMethod.__call__`` and ``torch.zeros`` (process-wide-patches), non-strict export a tensor
+subclass's ``__getattribute__`` (export-subclass-getattr). Every other thread then runs the patch, and two threads
+patching one slot restore each other's values out of order. A fix rewrites those writes to a :class:`ThreadPatches`
+(the torch module holds it as a helper, one per fix; :class:`SlotPatches` makes the edits where one function
+patches, restores in ``finally`` and reads one slot):
 
 * the first thread to patch a slot (one name in one class or module dict) puts a dispatcher function there; each
   thread keeps its own stack of patches per slot; the dispatcher calls the calling thread's latest patch, or the
@@ -16,8 +19,8 @@ threads patching one slot restore each other's values out of order. A fix rewrit
 
 Each fix has an instance of its own, fresh when it is applied and gone when it is reverted, so that one fix's
 uninstall cannot leave stale slots in another's. Their slots differ (``nn.Module``'s methods and the globals of
-traced code; ``torch.autograd``'s functions). Every dispatcher runs one code object, which Dynamo is told to skip
-(:func:`skip_in_dynamo_when_imported`).
+traced code; ``torch.autograd``'s functions; ``torch.ScriptMethod``, ``torch``'s constructors, a subclass). Every
+dispatcher runs one code object, which Dynamo is told to skip (:func:`skip_in_dynamo_when_imported`).
 """
 
 from __future__ import annotations
