@@ -47,7 +47,7 @@ def _probe() -> str | None:
 
 class _HeldSubclassExport:
     """A thread inside a non-strict ``torch.export.export`` of a module that reads both inner tensors of its
-    ``TwoTensor`` input; its forward waits there until released. ``outcome``: what the export made."""
+    ``TwoTensor`` input; its forward waits there until :meth:`end`, which says what the export made."""
 
     def __init__(self, two_tensor: type, timeout: float) -> None:
         import torch
