@@ -3,9 +3,12 @@
 Some torch code patches a function for the whole process while it works, by writing into a class or a module
 dict, and puts the original back at its end: ``Tracer.trace`` patches ``nn.Module.__call__`` and the traced code's
 globals (trace-patch-isolation), ``torch.compiler._patch_engine_backward()`` patches
-``torch.autograd._engine_run_backward`` (autograd-entry-patches). Every other thread then runs the patch, and two
-threads patching one slot restore each other's values out of order. A fix rewrites those writes to a
-:class:`ThreadPatches` (the torch module holds it as a helper, one per fix):
+``torch.autograd._engine_run_backward`` (autograd-entry-patches), ``enable_torchbind_tracing()`` and ``MetaTracer``
+patch ``torch.ScriptMethod.__call__`` and ``torch.zeros`` (process-wide-patches), non-strict export a tensor
+subclass's ``__getattribute__`` (export-subclass-getattr). Every other thread then runs the patch, and two threads
+patching one slot restore each other's values out of order. A fix rewrites those writes to a :class:`ThreadPatches`
+(the torch module holds it as a helper, one per fix; :class:`SlotPatches` makes the edits where one function
+patches, restores in ``finally`` and reads one slot):
 
 * the first thread to patch a slot (one name in one class or module dict) puts a dispatcher function there; each
   thread keeps its own stack of patches per slot; the dispatcher calls the calling thread's latest patch, or the
@@ -16,12 +19,13 @@ threads patching one slot restore each other's values out of order. A fix rewrit
 
 Each fix has an instance of its own, fresh when it is applied and gone when it is reverted, so that one fix's
 uninstall cannot leave stale slots in another's. Their slots differ (``nn.Module``'s methods and the globals of
-traced code; ``torch.autograd``'s functions). Every dispatcher runs one code object, which Dynamo is told to skip
-(:func:`skip_in_dynamo_when_imported`).
+traced code; ``torch.autograd``'s functions; ``torch.ScriptMethod``, ``torch``'s constructors, a subclass). Every
+dispatcher runs one code object, which Dynamo is told to skip (:func:`skip_in_dynamo_when_imported`).
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
 import sys
 import threading
@@ -30,9 +34,23 @@ from collections.abc import Callable
 
 import wrapt
 
+from .._patch import SourcePatch, source_without_import
+from .._source import Edit, ShapeError, definitions, parse, replace_node, segment
 from .._thread_stash import ThreadSpaces
 
 _ABSENT = object()
+HELPER = "_thread_patches"  # the ThreadPatches' name in a patched module (SlotPatches)
+
+
+def in_finally(function: ast.FunctionDef) -> set[int]:
+    """The ids of the statements in the ``finally:`` blocks of ``function``: where torch restores what it patched."""
+    return {
+        id(stmt)
+        for node in ast.walk(function)
+        if isinstance(node, ast.Try)
+        for block in node.finalbody
+        for stmt in ast.walk(block)
+    }
 
 
 class _Slot:
@@ -152,3 +170,104 @@ def skip_in_dynamo_when_imported() -> None:
     elif not _skip_hook_registered:
         _skip_hook_registered = True
         wrapt.register_post_import_hook(_skip_in_dynamo, "torch._dynamo.eval_frame")
+
+
+class SlotPatches(SourcePatch):
+    """A torch function that patches a slot while it works and restores it after, made to patch per thread: its
+    writes of ``owner.attr`` (``setattr(owner, name, value)`` where ``attr`` is None: a module's names by variable),
+    its restores in ``finally`` and its reads of the slot go through ``_thread_patches``, a :class:`ThreadPatches`
+    in the module. ``owner`` None: any owner (a class in a variable). ``function``: a qualified name (``Class.f``) or
+    the name of a nested function. ``bind``: torch writes a descriptor (``functools.partialmethod``), which the
+    dispatcher calls as the class attribute gives it (``value.__get__(None, owner)``). A release that lacks the
+    module gets no edits."""
+
+    may_be_absent = True
+
+    def __init__(
+        self, module: str, function: str, owner: str | None, attr: str | None, reads: int, bind: bool = False
+    ) -> None:
+        super().__init__(module, module.replace(".", "/") + ".py")
+        self.function, self.owner, self.attr, self.reads, self.bind = function, owner, attr, reads, bind
+
+    def describe(self) -> str:
+        return super().describe() + f"; adds {HELPER}, which keeps {self.function}'s patches per thread"
+
+    def _slot(self, owner: str, name: str) -> str | None:
+        """The slot as ThreadPatches takes it, from the texts of an owner and a name (``'"attr"'`` for
+        ``owner.attr``); None where that is not the slot."""
+        if self.owner is not None and owner != self.owner:
+            return None
+        if self.attr is None:  # setattr(torch, name, ...), getattr(torch, name)
+            return None if name.startswith('"') else f"vars({owner}), {name}"
+        return f"{owner}, {name}" if name == f'"{self.attr}"' else None
+
+    def _function(self, source: str) -> ast.FunctionDef:
+        found = definitions(source).get(self.function)
+        if found is not None:
+            return found
+        nested = [node for node in ast.walk(parse(source)) if isinstance(node, ast.FunctionDef)]
+        nested = [node for node in nested if node.name == self.function]
+        if len(nested) != 1:
+            raise ShapeError(f"{self.relpath}: expected one {self.function}, found {len(nested)}")
+        return nested[0]
+
+    @staticmethod
+    def _use(source: str, node: ast.AST) -> tuple[str, str, ast.expr | None] | None:
+        """The texts of owner and name, and the value, of a write by ``node`` (``owner.attr = value``,
+        ``setattr(owner, name, value)``); value None for a read (``owner.attr``, ``getattr(owner, name)``); None
+        for any other node. A name written as an attribute comes quoted (``'"attr"'``)."""
+
+        def call_of(node: ast.AST, function: str, args: int) -> list[ast.expr] | None:
+            is_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == function
+            return node.args if is_call and len(node.args) == args else None
+
+        def text(node: ast.AST) -> str:
+            return segment(source, node)
+
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute):
+            return text(node.targets[0].value), f'"{node.targets[0].attr}"', node.value
+        if isinstance(node, ast.Expr) and (args := call_of(node.value, "setattr", 3)):
+            return text(args[0]), text(args[1]), args[2]
+        if args := call_of(node, "getattr", 2):
+            return text(args[0]), text(args[1]), None
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            return text(node.value), f'"{node.attr}"', None
+        return None
+
+    def edits(self, source: str) -> list[Edit]:
+        function = self._function(source)
+        restores, edits = in_finally(function), {"write": [], "restore": [], "read": []}
+        for node in ast.walk(function):
+            use = self._use(source, node)
+            slot = self._slot(*use[:2]) if use else None
+            if slot is None:
+                continue
+            owner, _, value = use
+            if value is None:
+                edits["read"].append(replace_node(node, f"{HELPER}.current({slot})"))
+            elif id(node) in restores:
+                edits["restore"].append(replace_node(node, f"{HELPER}.unset({slot})"))
+            else:
+                patch = segment(source, value) + (f".__get__(None, {owner})" if self.bind else "")
+                edits["write"].append(replace_node(node, f"{HELPER}.set({slot}, {patch})"))
+        counts = {kind: len(kind_edits) for kind, kind_edits in edits.items()}
+        if counts != {"write": 1, "restore": 1, "read": self.reads}:
+            raise ShapeError(
+                f"{self.relpath} {self.function}: expected one write and restore, {self.reads} reads of "
+                f"the slot; found {counts}"
+            )
+        return [edit for kind_edits in edits.values() for edit in kind_edits]
+
+    def apply(self) -> None:
+        if source_without_import(self.module_name) is not None:
+            super().apply()
+
+    def verify(self) -> None:
+        if source_without_import(self.module_name) is not None:
+            super().verify()
+
+    def helpers(self) -> dict[str, object]:
+        return {HELPER: ThreadPatches()}
+
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
+        skip_in_dynamo_when_imported()

@@ -39,7 +39,7 @@ from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._selftest import Result
 from .._source import Edit, ShapeError, definitions, replace_node, segment
-from ._thread_patches import ThreadPatches, skip_in_dynamo_when_imported
+from ._thread_patches import ThreadPatches, in_finally, skip_in_dynamo_when_imported
 
 MODULE = "torch.compiler"
 HELPER = "_thread_patches"
@@ -54,17 +54,6 @@ def _slot(attribute: str) -> str:
     """``torch.autograd.grad`` -> ``vars(torch.autograd), "grad"``: the slot as ThreadPatches takes it."""
     owner, _, name = attribute.rpartition(".")
     return f'vars({owner}), "{name}"'
-
-
-def _in_finally(function: ast.FunctionDef) -> set[int]:
-    """The ids of the statements in the ``finally:`` blocks of ``function``."""
-    return {
-        id(stmt)
-        for node in ast.walk(function)
-        if isinstance(node, ast.Try)
-        for block in node.finalbody
-        for stmt in ast.walk(block)
-    }
 
 
 class _PerThreadPatches(SourcePatch):
@@ -87,7 +76,7 @@ class _PerThreadPatches(SourcePatch):
     def _context_edits(self, source: str, function: ast.FunctionDef, slots: tuple[str, ...]) -> list[Edit]:
         """In one context manager: the read of the function it wraps (the first slot), each slot's write, and
         each slot's restore in ``finally``; exactly those, or the shape is not the one this fix knows."""
-        restores, edits = _in_finally(function), []
+        restores, edits = in_finally(function), []
         found = {(attribute, kind): 0 for attribute in slots for kind in ("read", "write", "restore")}
         for node in ast.walk(function):
             if isinstance(node, ast.Assign) and len(node.targets) == 1:
