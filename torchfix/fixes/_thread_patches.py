@@ -5,7 +5,8 @@ dict, and puts the original back at its end: ``Tracer.trace`` patches ``nn.Modul
 globals (trace-patch-isolation), ``torch.compiler._patch_engine_backward()`` patches
 ``torch.autograd._engine_run_backward`` (autograd-entry-patches). Every other thread then runs the patch, and two
 threads patching one slot restore each other's values out of order. A fix rewrites those writes to a
-:class:`ThreadPatches` (the torch module holds it as a helper, one per fix):
+:class:`ThreadPatches` (the torch module holds it as a helper, one per fix; :class:`PatchWritesPerThread` rewrites
+the common shape, a function that saves, writes and in ``finally`` restores a module attribute):
 
 * the first thread to patch a slot (one name in one class or module dict) puts a dispatcher function there; each
   thread keeps its own stack of patches per slot; the dispatcher calls the calling thread's latest patch, or the
@@ -16,12 +17,13 @@ threads patching one slot restore each other's values out of order. A fix rewrit
 
 Each fix has an instance of its own, fresh when it is applied and gone when it is reverted, so that one fix's
 uninstall cannot leave stale slots in another's. Their slots differ (``nn.Module``'s methods and the globals of
-traced code; ``torch.autograd``'s functions). Every dispatcher runs one code object, which Dynamo is told to skip
-(:func:`skip_in_dynamo_when_imported`).
+traced code; ``torch.autograd``'s functions; ``torch.fx.graph_module._forward_from_src``, graph-module-build).
+Every dispatcher runs one code object, which Dynamo is told to skip (:func:`skip_in_dynamo_when_imported`).
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
 import sys
 import threading
@@ -30,7 +32,11 @@ from collections.abc import Callable
 
 import wrapt
 
+from .._patch import SourcePatch
+from .._source import Edit, ShapeError, definitions, replace_node, segment
 from .._thread_stash import ThreadSpaces
+
+HELPER = "_thread_patches"  # the name of a fix's ThreadPatches in the torch module it edits
 
 _ABSENT = object()
 
@@ -152,3 +158,82 @@ def skip_in_dynamo_when_imported() -> None:
     elif not _skip_hook_registered:
         _skip_hook_registered = True
         wrapt.register_post_import_hook(_skip_in_dynamo, "torch._dynamo.eval_frame")
+
+
+def _slot(attribute: str) -> str:
+    """``torch.autograd.grad`` -> ``vars(torch.autograd), "grad"``: the slot as ThreadPatches takes it."""
+    owner, _, name = attribute.rpartition(".")
+    return f'vars({owner}), "{name}"'
+
+
+def _in_finally(function: ast.FunctionDef) -> set[int]:
+    """The ids of the statements in the ``finally:`` blocks of ``function``."""
+    return {
+        id(stmt)
+        for node in ast.walk(function)
+        if isinstance(node, ast.Try)
+        for block in node.finalbody
+        for stmt in ast.walk(block)
+    }
+
+
+class PatchWritesPerThread(SourcePatch):
+    """Functions of one torch module that patch module attributes for the process while they run, rewritten so
+    that their patches act in the calling thread only.
+
+    Each function (``patchers``: its name -> the attributes it patches, as torch's source spells them, say
+    ``torch.autograd.grad``) must read the first attribute once (the original it saves or wraps), write each
+    attribute once, and write each once more in a ``finally:`` block (the restore): the read becomes
+    :meth:`ThreadPatches.current`, the write :meth:`ThreadPatches.set`, the restore :meth:`ThreadPatches.unset`
+    of ``_thread_patches``, the module's :class:`ThreadPatches`. Any other shape is refused. Functions of
+    ``patchers`` the file lacks are left out (releases add them); one of them at least must be there.
+    """
+
+    def __init__(self, module: str, relpath: str, patchers: dict[str, tuple[str, ...]]) -> None:
+        super().__init__(module, relpath)
+        self.patchers = patchers
+
+    def edits(self, source: str) -> list[Edit]:
+        functions = definitions(source)
+        present = [name for name in self.patchers if name in functions]
+        if not present:
+            raise ShapeError(f"{self.relpath}: none of {', '.join(self.patchers)}")
+        return [edit for name in present for edit in self._patcher_edits(source, functions[name])]
+
+    def _patcher_edits(self, source: str, function: ast.FunctionDef) -> list[Edit]:
+        slots = self.patchers[function.name]
+        restores, edits = _in_finally(function), []
+        found = {(attribute, kind): 0 for attribute in slots for kind in ("read", "write", "restore")}
+        for node in ast.walk(function):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target = segment(source, node.targets[0])
+                if target in slots:
+                    kind = "restore" if id(node) in restores else "write"
+                    call = "unset" if kind == "restore" else "set"
+                    value = "" if kind == "restore" else f", {segment(source, node.value)}"
+                    edits.append(replace_node(node, f"{HELPER}.{call}({_slot(target)}{value})"))
+                    found[target, kind] += 1
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                attribute = segment(source, node)
+                if attribute in slots:
+                    edits.append(replace_node(node, f"{HELPER}.current({_slot(attribute)})"))
+                    found[attribute, "read"] += 1
+        expected = {key: int(key[1] != "read" or key[0] == slots[0]) for key in found}
+        if found != expected:
+            wrong = ", ".join(
+                f"{n} {kind}(s) of {attribute}"
+                for (attribute, kind), n in found.items()
+                if n != expected[attribute, kind]
+            )
+            raise ShapeError(f"{self.relpath} {function.name}: expected one read, write and restore, found {wrong}")
+        return edits
+
+    def describe(self) -> str:
+        slots = ", ".join(dict.fromkeys(slot for slots in self.patchers.values() for slot in slots))
+        return super().describe() + f"; adds {HELPER}: the patches of {slots} act in the patching thread only"
+
+    def helpers(self) -> dict[str, object]:
+        return {HELPER: ThreadPatches()}
+
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
+        skip_in_dynamo_when_imported()  # the dispatchers, where Dynamo meets them

@@ -27,22 +27,18 @@ torch's function there, without the hooks (debug metadata only); and Dynamo, com
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import importlib
 import importlib.util
 import threading
-import types
 import warnings
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
 from .._selftest import Result
-from .._source import Edit, ShapeError, definitions, replace_node, segment
-from ._thread_patches import ThreadPatches, skip_in_dynamo_when_imported
+from .._source import Edit, ShapeError, definitions
+from ._thread_patches import HELPER, PatchWritesPerThread
 
 MODULE = "torch.compiler"
-HELPER = "_thread_patches"
 # The context managers, and the slots each patches: the attribute as torch's source spells it -> (module, name).
 CONTEXTS = {
     "_patch_autograd_grad": ("torch.autograd.grad",),  # 2.12+
@@ -50,74 +46,14 @@ CONTEXTS = {
 }
 
 
-def _slot(attribute: str) -> str:
-    """``torch.autograd.grad`` -> ``vars(torch.autograd), "grad"``: the slot as ThreadPatches takes it."""
-    owner, _, name = attribute.rpartition(".")
-    return f'vars({owner}), "{name}"'
-
-
-def _in_finally(function: ast.FunctionDef) -> set[int]:
-    """The ids of the statements in the ``finally:`` blocks of ``function``."""
-    return {
-        id(stmt)
-        for node in ast.walk(function)
-        if isinstance(node, ast.Try)
-        for block in node.finalbody
-        for stmt in ast.walk(block)
-    }
-
-
-class _PerThreadPatches(SourcePatch):
+class _PerThreadPatches(PatchWritesPerThread):
     def __init__(self) -> None:
-        super().__init__(MODULE, "torch/compiler/__init__.py")
-
-    def describe(self) -> str:
-        return super().describe() + f"; adds {HELPER}, which keeps the contexts' patches per thread"
+        super().__init__(MODULE, "torch/compiler/__init__.py", CONTEXTS)
 
     def edits(self, source: str) -> list[Edit]:
-        functions = definitions(source)
-        present = {name: slots for name, slots in CONTEXTS.items() if name in functions}
-        if "_patch_autograd_grad" not in present:
+        if "_patch_autograd_grad" not in definitions(source):
             raise ShapeError(f"{self.relpath}: no _patch_autograd_grad (torch 2.12 - 2.15 have it)")
-        edits = []
-        for name, slots in present.items():
-            edits += self._context_edits(source, functions[name], slots)
-        return edits
-
-    def _context_edits(self, source: str, function: ast.FunctionDef, slots: tuple[str, ...]) -> list[Edit]:
-        """In one context manager: the read of the function it wraps (the first slot), each slot's write, and
-        each slot's restore in ``finally``; exactly those, or the shape is not the one this fix knows."""
-        restores, edits = _in_finally(function), []
-        found = {(attribute, kind): 0 for attribute in slots for kind in ("read", "write", "restore")}
-        for node in ast.walk(function):
-            if isinstance(node, ast.Assign) and len(node.targets) == 1:
-                target = segment(source, node.targets[0])
-                if target in slots:
-                    kind = "restore" if id(node) in restores else "write"
-                    call = "unset" if kind == "restore" else "set"
-                    value = "" if kind == "restore" else f", {segment(source, node.value)}"
-                    edits.append(replace_node(node, f"{HELPER}.{call}({_slot(target)}{value})"))
-                    found[target, kind] += 1
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-                attribute = segment(source, node)
-                if attribute in slots:
-                    edits.append(replace_node(node, f"{HELPER}.current({_slot(attribute)})"))
-                    found[attribute, "read"] += 1
-        expected = {key: int(key[1] != "read" or key[0] == slots[0]) for key in found}
-        if found != expected:
-            wrong = ", ".join(
-                f"{n} {kind}(s) of {attribute}"
-                for (attribute, kind), n in found.items()
-                if n != expected[attribute, kind]
-            )
-            raise ShapeError(f"{self.relpath} {function.name}: expected one read, write and restore, found {wrong}")
-        return edits
-
-    def helpers(self) -> dict[str, object]:
-        return {HELPER: ThreadPatches()}
-
-    def _install_state(self, module: types.ModuleType, source: str) -> None:
-        skip_in_dynamo_when_imported()  # the dispatchers, where Dynamo meets them
+        return super().edits(source)
 
 
 def _probe() -> str | None:
