@@ -29,6 +29,7 @@ patches the attribute for the process.
 from __future__ import annotations
 
 import importlib
+import threading
 
 from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import SourcePatch, ThreadLocalGlobals
@@ -66,11 +67,8 @@ def _times_two(x):
     return x * 2
 
 
-def graph_module_built_elsewhere(timeout: float = 60.0) -> Result:
-    """While thread A is inside a ``torch.compile`` (its backend waits), the main thread ``symbolic_trace``s a
-    function and calls the GraphModule once (which makes its forward, at once or, for a lazy one, at that call).
-    It must be a plain GraphModule, and, compiled afterwards with ``torch.compile``, reach the backend as a graph
-    rather than run eagerly."""
+def _graphs_compiled(graph_module: object) -> int:
+    """How many graphs ``torch.compile`` of ``graph_module`` gives its backend (none: its forward runs eagerly)."""
     import torch
 
     graphs = []
@@ -78,6 +76,21 @@ def graph_module_built_elsewhere(timeout: float = 60.0) -> Result:
     def counting_backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
+
+    torch.compile(graph_module, backend=counting_backend)(torch.ones(2))
+    return len(graphs)
+
+
+def _compiled(graphs: int) -> str:
+    return f"gave its backend {graphs} graph(s)" if graphs else "gave its backend no graph (ran eagerly)"
+
+
+def graph_module_built_elsewhere(timeout: float = 60.0) -> Result:
+    """While thread A is inside a ``torch.compile`` (its backend waits), the main thread ``symbolic_trace``s a
+    function and calls the GraphModule once (which makes its forward, at once or, for a lazy one, at that call).
+    It must be a plain GraphModule, and, compiled afterwards with ``torch.compile``, reach the backend as a graph
+    rather than run eagerly."""
+    import torch
 
     with HeldTrace("compile", timeout):
         built = torch.fx.symbolic_trace(fresh(_times_two))
@@ -87,13 +100,88 @@ def graph_module_built_elsewhere(timeout: float = 60.0) -> Result:
     except ImportError:  # no lazy graph modules before 2.3
         _LazyGraphModule = ()
     lazy = isinstance(built, _LazyGraphModule)
-    torch.compile(built, backend=counting_backend)(torch.ones(2))
-    made = "a _LazyGraphModule" if lazy else "a GraphModule"
-    ran = f"gave its backend {len(graphs)} graph(s)" if graphs else "gave its backend no graph (ran eagerly)"
+    graphs = _graphs_compiled(built)
     return Result(
         "GraphModule build (a GraphModule built in one thread while another compiles)",
         lazy or not graphs,
-        f"the main thread's symbolic_trace made {made}; torch.compile of it {ran}",
+        f"the main thread's symbolic_trace made {'a _LazyGraphModule' if lazy else 'a GraphModule'}; "
+        f"torch.compile of it {_compiled(graphs)}",
+    )
+
+
+_waits: dict[int, tuple[threading.Event, threading.Event, float]] = {}  # thread id -> (inside, release, timeout)
+_wait_op = None  # torchfix_selftest::wait_in_trace, registered at first use (once per process)
+
+
+def _register_wait_op() -> None:
+    """``torchfix_selftest::wait_in_trace``, ``x.clone()``: its fake implementation, which Dynamo runs while it
+    traces a call of it, waits in each thread listed in ``_waits`` (once) until released."""
+    global _wait_op
+    if _wait_op is not None:
+        return
+    import torch
+
+    @torch.library.custom_op("torchfix_selftest::wait_in_trace", mutates_args=(), schema="(Tensor x) -> Tensor")
+    def wait_in_trace(x):
+        return x.clone()
+
+    @wait_in_trace.register_fake
+    def _(x):
+        inside, release, timeout = _waits.pop(threading.get_ident(), (None, None, 0.0))
+        if inside is not None:
+            inside.set()
+            release.wait(timeout)
+        return torch.empty_like(x)
+
+    _wait_op = wait_in_trace
+
+
+def _through_wait_op(x):
+    return _wait_op(x) + 1  # the operator as a global: aot_compile cannot save a closure that holds it
+
+
+def forward_from_src_restored_out_of_order(timeout: float = 60.0) -> Result | None:
+    """Thread A is inside a ``torch.compile`` (its backend waits); thread B then traces an ``aot_compile`` (which
+    takes no compile_lock) and waits inside its trace; A finishes, then B. Afterwards
+    ``torch.fx.graph_module._forward_from_src`` must be torch's own again, and a GraphModule the main thread builds
+    must compile. None where ``torch.compile`` has no ``aot_compile`` on by default (before 2.12)."""
+    import torch
+    import torch.fx.graph_module as graph_module
+
+    if not hasattr(torch.compile(_through_wait_op), "aot_compile"):
+        return None
+    _register_wait_op()
+    original = graph_module._forward_from_src
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def aot_compile() -> None:
+        _waits[threading.get_ident()] = (inside, release, timeout)
+        try:
+            torch.compile(fresh(_through_wait_op), fullgraph=True, backend="eager").aot_compile(((torch.ones(2),), {}))
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            inside.set()
+
+    b = threading.Thread(target=aot_compile, name="torchfix-selftest", daemon=True)
+    with HeldTrace("compile", timeout):
+        b.start()
+        inside.wait(timeout)
+    release.set()
+    b.join(timeout)
+    reached = b.ident not in _waits  # B's trace reached the operator's fake implementation
+    _waits.pop(b.ident, None)
+    left = graph_module._forward_from_src is not original
+    graphs = _graphs_compiled(torch.fx.symbolic_trace(fresh(_times_two)))
+    graph_module._forward_from_src = original  # where the skipping one was left: for the scenarios after this one
+    detail = f"afterwards torch.compile of a GraphModule the main thread built {_compiled(graphs)}"
+    detail += "; left patched: torch.fx.graph_module._forward_from_src" if left else ""
+    detail += "" if reached else "; the aot_compile never reached its trace"
+    detail += f"; the aot_compile raised {errors[0]}" if errors else ""
+    return Result(
+        "GraphModule build (a compile and an aot_compile in two threads, finishing in the order they started)",
+        left or not graphs or not reached,
+        detail,
     )
 
 
@@ -115,6 +203,13 @@ FIX = Fix(
             # Torch alone segfaults there in FakeTensorMode.__enter__ when the main thread compiles after another
             # thread did (2 of 3 runs on 2.10), as for make-fx-tracer's.
             crashes=releases("2.10", "2.11"),
+        ),
+        Scenario(
+            forward_from_src_restored_out_of_order,
+            releases("2.12"),
+            needs="torch.compile(...).aot_compile, on by default (torch 2.12+)",
+            shows="left patched: torch.fx.graph_module._forward_from_src",
+            stage=1,  # without the fix, it can leave every later GraphModule's forward skipped, if it fails midway
         ),
     ),
 )
