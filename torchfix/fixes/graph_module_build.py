@@ -13,17 +13,18 @@ A Dynamo compile changes, for its whole duration, how every ``torch.fx.GraphModu
   ``_LazyGraphModule``, whose forward is made at its first call.
 
 So a GraphModule that another thread builds, or first calls, while one thread compiles gets a forward that Dynamo
-skips: ``torch.compile`` of it runs it eagerly, for good, without a word (reproduced on torch 2.13 and 2.15: the
-backend got no graph); it is a ``_LazyGraphModule``, which ``torch.jit.script`` refuses. Two traces that overlap
-(2.9+: ``aot_compile`` or strict export beside a compile) restore the attribute out of order and can leave the
-skipping function in place for the process.
+skips: ``torch.compile`` of it runs it eagerly, for good, without a word (reproduced on torch 2.2, 2.13 and 2.15:
+the backend got no graph); it is a ``_LazyGraphModule``, which ``torch.jit.script`` refuses (2.13, 2.15). Two
+traces that overlap (2.9+: ``aot_compile`` or strict export beside a compile) restore the attribute out of order
+and can leave the skipping function in place for the process: every GraphModule built after that runs eagerly
+under ``torch.compile`` (reproduced on 2.13 and 2.15 with an ``aot_compile``).
 
 The attribute's writes become per-thread patches (``convert_frame._thread_patches``, a ``ThreadPatches`` of
 ``fixes/_thread_patches.py``): while a thread compiles, ``_forward_from_src`` holds a dispatcher that gives that
 thread the skipping function and every other thread torch's own. The two flags move to per-thread storage
 (``_lazy_graph_module._lazy_graph_module_tls``) with :class:`ThreadLocalGlobals`. Compiled calls read neither.
-Not covered (2.0 - 2.1): a ``torch.compile`` wrapper made while the fix was uninstalled keeps torch's code, which
-patches the attribute for the process.
+Not covered (2.0 - 2.1, where ``torch.compile`` itself calls ``wrap_convert_context``): a ``torch.compile`` made
+before the fix applied (or after ``uninstall()``) keeps torch's code, which patches the attribute for the process.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def _patches(torch_version: str) -> list[SourcePatch]:
         PatchWritesPerThread(
             CONVERT_FRAME,
             "torch/_dynamo/convert_frame.py",
-            {"wrap_convert_context": (FORWARD_FROM_SRC,), "preserve_global_state": (FORWARD_FROM_SRC,)},  # 2.0, 2.2+
+            # The function that patches it: wrap_convert_context in 2.0 - 2.1, preserve_global_state from 2.2.
+            {"wrap_convert_context": (FORWARD_FROM_SRC,), "preserve_global_state": (FORWARD_FROM_SRC,)},
         )
     ]
     if minor_release(torch_version) >= (2, 3):  # lazy graph modules from 2.3
