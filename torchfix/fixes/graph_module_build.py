@@ -200,7 +200,6 @@ FIX = Fix(
         Scenario(
             graph_module_built_elsewhere,
             releases("2.0"),
-            needs="torch.compile",
             shows="gave its backend no graph",
             # Torch alone segfaults there in FakeTensorMode.__enter__ when the main thread compiles after another
             # thread did (2 of 3 runs on 2.10), as for make-fx-tracer's.
