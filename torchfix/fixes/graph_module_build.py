@@ -166,11 +166,14 @@ def forward_from_src_restored_out_of_order(timeout: float = 60.0) -> Result | No
             inside.set()
 
     b = threading.Thread(target=aot_compile, name="torchfix-selftest", daemon=True)
-    with HeldTrace("compile", timeout):
-        b.start()
-        inside.wait(timeout)
-    release.set()
-    b.join(timeout)
+    try:
+        with HeldTrace("compile", timeout):
+            b.start()
+            inside.wait(timeout)
+    finally:  # B goes on after A, also where A failed
+        release.set()
+        if b.is_alive():
+            b.join(timeout)
     reached = b.ident not in _waits  # B's trace reached the operator's fake implementation
     _waits.pop(b.ident, None)
     left = graph_module._forward_from_src is not original
