@@ -52,9 +52,11 @@ class _DeferPerThread(ThreadLocalGlobals):
 
     def edits(self, source: str) -> list[Edit]:
         backward = definitions(source).get(BACKWARD)
+        if backward is None:
+            raise ShapeError(f"{self.relpath}: no {BACKWARD}")
         calls = [
             node
-            for node in ast.walk(backward or ast.Module(body=[], type_ignores=[]))
+            for node in ast.walk(backward)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "local_map_hop"
         ]
         if len(calls) != 1:
