@@ -114,12 +114,13 @@ def _raised(exc: Exception) -> str:
 
 
 def local_map_flags_elsewhere(timeout: float = 60.0) -> Result | None:
-    """Thread A waits inside ``defer_inlining()`` and ``LocalMapWrappedHigherOrderVariable.enable()``, holding the
-    output of a local_map op it traced there with fake tensors (deferred: sharded in two, local shapes inside);
-    meanwhile the main thread traces the op with fake tensors (as a compile does) and asks Dynamo whether it would
-    wrap ``local_map`` in the op, then runs the backward of A's output (as autograd's device thread does). The
-    trace must inline the op's graph, Dynamo must say no, and A's backward must give a gradient of A's input's
-    shape; A must see its own settings. None where torch has no local_map op (before 2.10) or no
+    """The main thread traces a local_map op with fake tensors inside ``defer_inlining()`` (deferred: sharded in two,
+    local shapes inside). Then thread A waits inside ``defer_inlining()`` and
+    ``LocalMapWrappedHigherOrderVariable.enable()``; meanwhile the main thread traces the op again, now outside
+    (as another thread's compile does), asks Dynamo whether it would wrap ``local_map`` in the op, and runs the
+    backward of its deferred op outside ``defer_inlining()`` (as autograd's device thread would). The trace must
+    inline the op's graph, Dynamo must say no, and the backward must give a gradient of the input's shape (it reads
+    the setting where it runs); A must see its own settings. None where torch has no local_map op (before 2.10) or no
     ``torch.distributed``."""
     import torch
 
@@ -139,15 +140,15 @@ def local_map_flags_elsewhere(timeout: float = 60.0) -> Result | None:
         "out_placements": ((Shard(0),),),
         "device_mesh": _TwoDeviceMesh(),
     }
-    fake, inside, release, seen, traced = FakeTensorMode(), threading.Event(), threading.Event(), {}, {}
+    fake, inside, release, seen = FakeTensorMode(), threading.Event(), threading.Event(), {}
+    with local_map.defer_inlining(), fake:  # fake tensors only in this thread: torch 2.10 - 2.11 can crash else
+        x = torch.ones(4, requires_grad=True)
+        deferred = local_map.local_map_hop(graph, x)[0]
 
     def held() -> None:
         try:
             with local_map.defer_inlining(), Wrapped.enable():
                 seen["A's own"] = (local_map._DEFER_INLINING, Wrapped.should_wrap_in_hop(_local_map_wrapped))
-                with fake:
-                    traced["x"] = torch.ones(4, requires_grad=True)
-                    traced["out"] = local_map.local_map_hop(graph, traced["x"])[0]
                 inside.set()
                 release.wait(timeout)
         finally:
@@ -158,7 +159,7 @@ def local_map_flags_elsewhere(timeout: float = 60.0) -> Result | None:
     try:
         inside.wait(timeout)
         try:
-            with FakeTensorMode():
+            with fake:
                 out = local_map.local_map_hop(graph, torch.ones(4))
             seen["the main thread's fake trace"] = f"output shapes {[tuple(o.shape) for o in out]}"
         except Exception as exc:
@@ -166,10 +167,10 @@ def local_map_flags_elsewhere(timeout: float = 60.0) -> Result | None:
         seen["Dynamo wraps local_map in the main thread"] = Wrapped.should_wrap_in_hop(_local_map_wrapped)
         try:
             with fake:
-                (grad,) = torch.autograd.grad(traced["out"].sum(), traced["x"])
-            seen["A's backward here"] = f"gradient shape {tuple(grad.shape)}"
+                (grad,) = torch.autograd.grad(deferred.sum(), x)
+            seen["the backward of the deferred op"] = f"gradient shape {tuple(grad.shape)}"
         except Exception as exc:
-            seen["A's backward here"] = _raised(exc)
+            seen["the backward of the deferred op"] = _raised(exc)
     finally:
         release.set()
         thread.join(timeout)
@@ -177,7 +178,7 @@ def local_map_flags_elsewhere(timeout: float = 60.0) -> Result | None:
         seen["the main thread's fake trace"] != "output shapes [(4,)]"
         or seen["Dynamo wraps local_map in the main thread"] is not False
         or seen.get("A's own") != (True, True)
-        or seen.get("A's backward here") != "gradient shape (4,)"
+        or seen.get("the backward of the deferred op") != "gradient shape (4,)"
     )
     detail = "; ".join(f"{what}: {value}" for what, value in seen.items())
     return Result("local_map flags (defer_inlining / enable in another thread, a trace here)", hazard, detail)
