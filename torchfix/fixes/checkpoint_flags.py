@@ -30,7 +30,7 @@ def checkpoint_flags_elsewhere(timeout: float = 60.0) -> Result | None:
     """Thread A waits inside ``set_checkpoint_early_stop(False)`` and ``set_checkpoint_debug_enabled(True)``
     (2.2+); meanwhile the main thread runs a non-reentrant checkpoint and its backward, then one with a
     ``context_fn``. Its recompute must stop early (the function's tail runs once, in the forward) and the second
-    checkpoint must run (with debug on it raises ``ValueError``)."""
+    checkpoint must run (with debug on it raises ``ValueError``); A must see its own setting."""
     import torch
     import torch.utils.checkpoint as checkpoint
 
@@ -39,13 +39,14 @@ def checkpoint_flags_elsewhere(timeout: float = 60.0) -> Result | None:
 
     def function(x):
         y = x.sin()  # sin saves x: the recompute has all it needs here, and an early stop ends it
-        tail_runs.append(threading.get_ident())
+        tail_runs.append(1)
         return y + 1
 
     def held() -> None:
         debug = getattr(checkpoint, "set_checkpoint_debug_enabled", None)  # 2.2+
         try:
             with checkpoint.set_checkpoint_early_stop(False), debug(True) if debug else contextlib.nullcontext():
+                seen["A's own early stop"] = checkpoint._enable_checkpoint_early_stop
                 inside.set()
                 release.wait(timeout)
         finally:
@@ -67,7 +68,11 @@ def checkpoint_flags_elsewhere(timeout: float = 60.0) -> Result | None:
     finally:
         release.set()
         thread.join(timeout)
-    hazard = seen["runs of the function's tail"] != 1 or seen["a checkpoint with a context_fn"] != "ran"
+    hazard = (
+        seen["runs of the function's tail"] != 1
+        or seen["a checkpoint with a context_fn"] != "ran"
+        or seen.get("A's own early stop") is not False
+    )
     detail = "; ".join(f"{what}: {value}" for what, value in seen.items())
     return Result(
         "checkpoint flags (set_checkpoint_early_stop / set_checkpoint_debug_enabled in another thread)", hazard, detail
