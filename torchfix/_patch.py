@@ -262,7 +262,7 @@ def _global_uses(source: str, filename: str, name: str) -> tuple[list[ast.Name],
     return names, declarations
 
 
-def _per_thread_class(holder: str, defaults: dict[str, object], factories: dict[str, Callable[[], object]]) -> type:
+def per_thread_class(holder: str, defaults: dict[str, object], factories: dict[str, Callable[[], object]]) -> type:
     """The holder's type: one property per moved global, kept per thread (:class:`ThreadSpaces`: autograd's device
     thread sees the values of the thread whose backward it runs), and ``overridden``, how many (thread, name) pairs
     hold something else than their shared default.
@@ -357,7 +357,7 @@ def moved_globals_fix(
     )
 
 
-def _accesses_left(module: types.ModuleType, opnames: set[str], names: set[str], holder: str = "") -> list[str]:
+def accesses_left(module: types.ModuleType, opnames: set[str], names: set[str], holder: str = "") -> list[str]:
     """The instructions of ``opnames`` on ``names`` still in the module's live functions, as
     "function: OPNAME name": what a patch that rewrote every such access must not find. An attribute read right
     off ``holder`` (``target.HOLDER.NAME``, where a holder's attribute keeps the global's name) is a rewritten one."""
@@ -380,7 +380,7 @@ class ThreadLocalGlobals(SourcePatch):
 
     * Functions of the module that read or write ``NAME`` (``LOAD_GLOBAL``/``STORE_GLOBAL``) are
       rewritten to use the per-thread attribute of an object stored in the module as ``HOLDER``; reads
-      take a fast path while no thread has a value of its own (see :func:`_per_thread_class`).
+      take a fast path while no thread has a value of its own (see :func:`per_thread_class`).
     * ``NAME`` leaves the module dict. Reads of ``module.NAME`` from other modules reach a module
       ``__getattr__`` (PEP 562) that returns the calling thread's value; torch's own writers from other
       modules are rewritten by :class:`AttributeUses`. The module keeps its class: Dynamo checks
@@ -486,7 +486,7 @@ class ThreadLocalGlobals(SourcePatch):
             else:  # the module's object where it equals a fresh default (nothing set yet), so it stays shared
                 current, fresh = namespace[name], make()
                 shared[moved[name]] = namespace[f"{name}_default"] = current if current == fresh else fresh
-        holder = _per_thread_class(self.holder, shared, factories)()
+        holder = per_thread_class(self.holder, shared, factories)()
         for name, attr in moved.items():
             if attr in factories or namespace[name] is not shared[attr]:
                 setattr(holder, attr, namespace[name])
@@ -511,7 +511,7 @@ class ThreadLocalGlobals(SourcePatch):
             return
         super().verify()
         module = self._module
-        left = _accesses_left(module, _GLOBAL_OPS, set(self._moved))
+        left = accesses_left(module, _GLOBAL_OPS, set(self._moved))
         if left:
             raise ShapeError(f"{module.__name__}: global access left after patching: {', '.join(left)}")
         if any(name in vars(module) for name in self._moved):
@@ -628,7 +628,7 @@ class AttributeUses(SourcePatch):
         if self._module is None:
             return  # nothing to patch in this release
         super().verify()
-        left = _accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs), self.holder)
+        left = accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs), self.holder)
         if left:
             raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
 
@@ -684,6 +684,6 @@ class ImportedNameUses(AttributeUses):
     def verify(self) -> None:
         super().verify()
         if self._module is not None:
-            left = _accesses_left(self._module, _GLOBAL_OPS, set(self.attrs))
+            left = accesses_left(self._module, _GLOBAL_OPS, set(self.attrs))
             if left:
                 raise ShapeError(f"{self.module_name}: global access left after patching: {', '.join(left)}")

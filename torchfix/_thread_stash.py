@@ -143,7 +143,7 @@ class ThreadSpaces:
     ``threading.local``, and a backward traced on the device thread reads the defaults.
 
     A read of the stash costs about 70 ns, a ``threading.local`` attribute about 30 ns: the per-thread holders read
-    here only while some thread holds a value of its own (see ``_patch._per_thread_class``).
+    here only while some thread holds a value of its own (see ``_patch.per_thread_class``).
     """
 
     _keys = itertools.count()  # a key per instance, never reused: a namespace left from an uninstalled one stays apart

@@ -1,0 +1,204 @@
+"""local-map-flags: ``defer_inlining()`` and local_map's Dynamo wrapping switch act in their own thread.
+
+Two switches of the local_map higher-order op (torch 2.10+, used by AutoParallel) are process-wide:
+
+* ``torch._higher_order_ops.local_map._DEFER_INLINING``, a module global that ``defer_inlining()`` saves, sets and
+  restores. local_map's Autograd kernel reads it (deferred: trace the op's joint graph with local shapes and wrap it
+  in ``LocalMapAutogradOp``; else: inline the op's graph), and so does its Fake kernel (deferred: run the graph on
+  local shapes). While one thread is inside ``defer_inlining()``, another thread's trace through local_map takes
+  the deferred path: it fails (``AssertionError: actual_bw_inputs must be > 0``) or traces with local shapes.
+* ``LocalMapWrappedHigherOrderVariable._enabled`` in ``torch/_dynamo/variables/higher_order_ops.py``, a class
+  attribute that its ``enable()`` context manager saves, sets and restores: while one thread is inside, every
+  thread's Dynamo trace wraps ``local_map`` functions in the higher-order op.
+
+The global moves to per-thread storage (``local_map._defer_inlining_tls``) with :class:`ThreadLocalGlobals`. The
+class attribute's two users, ``enable()`` and ``should_wrap_in_hop()``, read and write a per-thread holder
+(``higher_order_ops._local_map_wrapping``) instead; the class attribute itself stays at False.
+
+Where the value is read matters: ``LocalMapAutogradOp.backward`` calls local_map again (its Fake kernel, when a
+joint graph is traced), and backward can run on autograd's device thread (CUDA), which before torch 2.13 has a
+thread-local value of its own, not the forward thread's (``ThreadSpaces``). Since the Autograd kernel makes a
+``LocalMapAutogradOp`` only when inlining is deferred, its backward now runs inside ``defer_inlining()`` itself,
+on whichever thread: as torch's global had it while the tracing thread was inside ``defer_inlining()``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import threading
+
+from .._fix import Fix, Scenario, releases
+from .._patch import SourcePatch, ThreadLocalGlobals, accesses_left, moved_global_probe, per_thread_class
+from .._selftest import Result
+from .._source import Edit, ShapeError, definitions, parse, replace_node, segment
+
+LOCAL_MAP = "torch._higher_order_ops.local_map"
+FLAG, HOLDER = "_DEFER_INLINING", "_defer_inlining_tls"
+BACKWARD = "LocalMapAutogradOp.backward"
+DEFERRED_CALL = "_local_map_hop_deferred"  # helper in local_map: local_map_hop inside defer_inlining()
+HOPS = "torch._dynamo.variables.higher_order_ops"
+WRAPPED, SWITCH = "LocalMapWrappedHigherOrderVariable", "_local_map_wrapping"
+
+
+class _DeferPerThread(ThreadLocalGlobals):
+    """``_DEFER_INLINING`` per thread, and ``LocalMapAutogradOp.backward``'s call of local_map deferred."""
+
+    def __init__(self) -> None:
+        super().__init__(LOCAL_MAP, LOCAL_MAP.replace(".", "/") + ".py", HOLDER, {FLAG: "deferred"})
+
+    def describe(self) -> str:
+        return super().describe() + f"; {BACKWARD} calls local_map_hop inside defer_inlining() (any thread)"
+
+    def edits(self, source: str) -> list[Edit]:
+        backward = definitions(source).get(BACKWARD)
+        if backward is None:
+            raise ShapeError(f"{self.relpath}: no {BACKWARD}")
+        calls = [
+            node
+            for node in ast.walk(backward)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "local_map_hop"
+        ]
+        if len(calls) != 1:
+            raise ShapeError(f"{self.relpath}: expected one call of local_map_hop in {BACKWARD}")
+        return [*super().edits(source), replace_node(calls[0].func, DEFERRED_CALL)]
+
+    def helpers(self) -> dict[str, object]:
+        module = importlib.import_module(self.module_name)
+
+        def deferred(*args: object, **kwargs: object) -> object:
+            with module.defer_inlining():
+                return module.local_map_hop(*args, **kwargs)
+
+        return {DEFERRED_CALL: deferred}
+
+
+class _WrappingPerThread(SourcePatch):
+    """``LocalMapWrappedHigherOrderVariable``'s ``cls._enabled`` read and written through a per-thread holder."""
+
+    def __init__(self) -> None:
+        super().__init__(HOPS, HOPS.replace(".", "/") + ".py")
+
+    def describe(self) -> str:
+        return super().describe() + f"; {WRAPPED}'s cls._enabled -> {SWITCH}.enabled, per thread"
+
+    def edits(self, source: str) -> list[Edit]:
+        uses = [node for node in ast.walk(parse(source)) if isinstance(node, ast.Attribute) and node.attr == "_enabled"]
+        methods = [definitions(source).get(f"{WRAPPED}.{name}") for name in ("enable", "should_wrap_in_hop")]
+        inside = {id(node) for method in methods if method is not None for node in ast.walk(method)}
+        stores = [node for node in uses if isinstance(node.ctx, ast.Store)]
+        # Refuse any other _enabled attribute: it could be this flag by another name.
+        if not stores or any(segment(source, node.value) != "cls" or id(node) not in inside for node in uses):
+            raise ShapeError(f"{self.relpath}: expected cls._enabled only in {WRAPPED}.enable / should_wrap_in_hop")
+        return [replace_node(node, f"{SWITCH}.enabled") for node in uses]
+
+    def helpers(self) -> dict[str, object]:
+        return {SWITCH: per_thread_class(SWITCH, {"enabled": False}, {})()}
+
+    def verify(self) -> None:
+        super().verify()
+        left = accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, {"_enabled"})
+        if left:
+            raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
+
+
+class _TwoDeviceMesh:
+    """What local_map's deferred path asks of a device mesh: the size of each dimension."""
+
+    def size(self, dim: int | None = None) -> int:
+        return 2
+
+
+def _raised(exc: Exception) -> str:
+    return f"raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
+def local_map_flags_elsewhere(timeout: float = 60.0) -> Result | None:
+    """The main thread traces a local_map op with fake tensors inside ``defer_inlining()`` (deferred: sharded in two,
+    local shapes inside). Then thread A waits inside ``defer_inlining()`` and
+    ``LocalMapWrappedHigherOrderVariable.enable()``; meanwhile the main thread traces the op again, now outside
+    (as another thread's compile does), asks Dynamo whether it would wrap ``local_map`` in the op, and runs the
+    backward of its deferred op outside ``defer_inlining()`` (as autograd's device thread would). The trace must
+    inline the op's graph, Dynamo must say no, and the backward must give a gradient of the input's shape (it reads
+    the setting where it runs); A must see its own settings. None where torch has no local_map op (before 2.10) or no
+    ``torch.distributed``."""
+    import torch
+
+    if not hasattr(importlib.import_module("torch._higher_order_ops"), "local_map") or not (
+        torch.distributed.is_available()
+    ):
+        return None
+    from torch._dynamo.variables.higher_order_ops import LocalMapWrappedHigherOrderVariable as Wrapped
+    from torch._higher_order_ops import local_map
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.experimental._func_map import _local_map_wrapped
+
+    graph = torch.fx.symbolic_trace(lambda x: (x.sin() * 2,))
+    graph.meta["local_map_kwargs"] = {
+        "in_placements": ((Shard(0),),),
+        "out_placements": ((Shard(0),),),
+        "device_mesh": _TwoDeviceMesh(),
+    }
+    fake, inside, release, seen = FakeTensorMode(), threading.Event(), threading.Event(), {}
+    with local_map.defer_inlining(), fake:  # fake tensors only in this thread: torch 2.10 - 2.11 can crash else
+        x = torch.ones(4, requires_grad=True)
+        deferred = local_map.local_map_hop(graph, x)[0]
+
+    def held() -> None:
+        try:
+            with local_map.defer_inlining(), Wrapped.enable():
+                seen["A's own"] = (local_map._DEFER_INLINING, Wrapped.should_wrap_in_hop(_local_map_wrapped))
+                inside.set()
+                release.wait(timeout)
+        finally:
+            inside.set()
+
+    thread = threading.Thread(target=held, name="torchfix-selftest", daemon=True)
+    thread.start()
+    try:
+        inside.wait(timeout)
+        try:
+            with fake:
+                out = local_map.local_map_hop(graph, torch.ones(4))
+            seen["the main thread's fake trace"] = f"output shapes {[tuple(o.shape) for o in out]}"
+        except Exception as exc:
+            seen["the main thread's fake trace"] = _raised(exc)
+        seen["Dynamo wraps local_map in the main thread"] = Wrapped.should_wrap_in_hop(_local_map_wrapped)
+        try:
+            with fake:
+                (grad,) = torch.autograd.grad(deferred.sum(), x)
+            seen["the backward of the deferred op"] = f"gradient shape {tuple(grad.shape)}"
+        except Exception as exc:
+            seen["the backward of the deferred op"] = _raised(exc)
+    finally:
+        release.set()
+        thread.join(timeout)
+    hazard = (
+        seen["the main thread's fake trace"] != "output shapes [(4,)]"
+        or seen["Dynamo wraps local_map in the main thread"] is not False
+        or seen.get("A's own") != (True, True)
+        or seen.get("the backward of the deferred op") != "gradient shape (4,)"
+    )
+    detail = "; ".join(f"{what}: {value}" for what, value in seen.items())
+    return Result("local_map flags (defer_inlining / enable in another thread, a trace here)", hazard, detail)
+
+
+FIX = Fix(
+    name="local-map-flags",
+    order=320,
+    hazard="while one thread is inside local_map's defer_inlining() or LocalMapWrappedHigherOrderVariable.enable(), "
+    "other threads' traces through local_map take the deferred path (and fail) and Dynamo wraps their local_map calls",
+    versions=releases("2.10"),
+    probe=moved_global_probe(LOCAL_MAP, HOLDER, FLAG, f"{LOCAL_MAP} has no {FLAG} (before torch 2.10)"),
+    patches=lambda _torch_version: [_DeferPerThread(), _WrappingPerThread()],
+    trigger="torch._dynamo",
+    scenarios=(
+        Scenario(
+            local_map_flags_elsewhere,
+            releases("2.10"),
+            needs="the local_map op (2.10+) and torch.distributed",
+            shows="the main thread's fake trace: raised",
+        ),
+    ),
+)
