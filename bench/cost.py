@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -64,26 +65,32 @@ def run(
     ledger = _Ledger(work / "runs.jsonl", (*shape, quick, str(torch.__version__), _source_digest(torchfix)))
     warmups: list[dict] = []
 
-    def attempt(disable: str, *more: str) -> dict:
+    def attempt(disable: str, profile_window: str = "") -> dict:
         # Without torchfix even this job has a thread hazard: its target and drafter threads compile at once (H1
         # seen in 1 of 6 runs without it on the H200, a profiled one). A failed run is tried again; its errors are kept.
         failed: list[str] = []
-        for attempt in range(ATTEMPTS):
+        for tried in range(1, ATTEMPTS + 1):
+            more = (f"--profile-steps={profile_window}",) if profile_window else ()
             row = one("threads", 1, *shape, extra=(*extra, *more), compile_caches=work, disable=disable)
-            if "error" not in row or attempt == ATTEMPTS - 1:
+            profile = _profile_of(row) if profile_window else None  # read before the run's folder goes
+            # A run's folder holds the drafter it saved (a few GB at this width): 20 of them filled the H200
+            # machine's 64 GB disk, and every run after that failed.
+            shutil.rmtree(row["out_dir"], ignore_errors=True)
+            if "error" not in row or tried == ATTEMPTS:
                 break
             failed.append(str(row["error"]))
-        return row | {"disabled": disable, "failed_attempts": failed, "machine": platform.node()}
+        row |= {"disabled": disable, "failed_attempts": failed, "machine": platform.node()}
+        return row if profile is None else row | {"profile_ops": profile}
 
-    def measure(slot: str, disable: str, *more: str) -> dict:
+    def measure(slot: str, disable: str, profile_window: str = "") -> dict:
         """The run of ``slot``: recorded by an earlier invocation, or run now (after a warm-up, where this
         machine's compile caches are still empty)."""
         if slot not in ledger:
             if not warmups and not (work / "inductor").is_dir():
                 warmups.append(attempt(""))  # fills the compile caches; not counted
-            row = attempt(disable, *more)
-            if slot.startswith("profile"):  # kept with the run: its folder may be gone when a later run resumes
-                row["profile_ops"] = _profile_of(row)
+            row = attempt(disable, profile_window)
+            if "error" in row:  # not recorded: a resumed run tries it again
+                return row
             ledger.record(slot, row)
         return ledger[slot]
 
@@ -99,7 +106,7 @@ def run(
     }
     if profile:  # before the pairs: a run cut short by a time limit still has it (printed as it ends)
         # The middle half of the run: long enough that a window's part-steps (see STEP_MARKER) weigh little.
-        window = f"--profile-steps={max(1, steps // 4)}:{steps - steps // 4}"
+        window = f"{max(1, steps // 4)}:{steps - steps // 4}"
         profiled = {
             label: measure(f"profile {label}", disable, window) for label, disable in (("on", ""), ("off", "1"))
         }
