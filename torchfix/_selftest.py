@@ -9,9 +9,11 @@ can throw away: on an unpatched torch, some leave the process broken (H2: the FX
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 NESTED_TRACE_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
@@ -220,6 +222,35 @@ def export_never_held(held: HeldExport, scenario: str) -> Result | None:
     """The result of a scenario whose export never reached its forward: None where torch has no non-strict
     export, a failure otherwise."""
     return None if held.outcome == "no non-strict export" else Result(scenario, True, f"held export: {held.outcome}")
+
+
+@contextlib.contextmanager
+def held_elsewhere(
+    settings: Sequence[Callable[[], AbstractContextManager]], own_view: Callable[[], None], timeout: float
+) -> Iterator[bool]:
+    """Another thread enters each of ``settings`` (the save/set/restore contexts under test), calls ``own_view()``
+    there (to record what it sees of its own settings) and stays inside until this ``with`` block ends: the block
+    runs while another thread holds the settings. Yields whether that thread got inside in time."""
+    inside, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with contextlib.ExitStack() as entered:
+                for setting in settings:
+                    entered.enter_context(setting())
+                own_view()
+                inside.set()
+                release.wait(timeout)
+        finally:
+            inside.set()
+
+    thread = threading.Thread(target=hold, name="torchfix-selftest", daemon=True)
+    thread.start()
+    try:
+        yield inside.wait(timeout)
+    finally:
+        release.set()
+        thread.join(timeout)
 
 
 def in_thread(fn: Callable[[], object], timeout: float) -> object:

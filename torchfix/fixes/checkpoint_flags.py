@@ -17,11 +17,10 @@ thread is the one its backward sees, on any thread. No other module of torch rea
 from __future__ import annotations
 
 import contextlib
-import threading
 
 from .._fix import Scenario, releases
 from .._patch import moved_globals_fix
-from .._selftest import Result
+from .._selftest import Result, held_elsewhere
 
 MODULE = "torch.utils.checkpoint"
 
@@ -34,7 +33,7 @@ def checkpoint_flags_elsewhere(timeout: float = 60.0) -> Result | None:
     import torch
     import torch.utils.checkpoint as checkpoint
 
-    inside, release, seen = threading.Event(), threading.Event(), {}
+    seen: dict[str, object] = {}
     tail_runs = []
 
     def function(x):
@@ -42,20 +41,14 @@ def checkpoint_flags_elsewhere(timeout: float = 60.0) -> Result | None:
         tail_runs.append(1)
         return y + 1
 
-    def held() -> None:
-        debug = getattr(checkpoint, "set_checkpoint_debug_enabled", None)  # 2.2+
-        try:
-            with checkpoint.set_checkpoint_early_stop(False), debug(True) if debug else contextlib.nullcontext():
-                seen["A's own early stop"] = checkpoint._enable_checkpoint_early_stop
-                inside.set()
-                release.wait(timeout)
-        finally:
-            inside.set()
+    def own_view() -> None:
+        seen["A's own early stop"] = checkpoint._enable_checkpoint_early_stop
 
-    thread = threading.Thread(target=held, name="torchfix-selftest", daemon=True)
-    thread.start()
-    try:
-        if not inside.wait(timeout):
+    settings = [lambda: checkpoint.set_checkpoint_early_stop(False)]
+    if hasattr(checkpoint, "set_checkpoint_debug_enabled"):  # 2.2+
+        settings.append(lambda: checkpoint.set_checkpoint_debug_enabled(True))
+    with held_elsewhere(settings, own_view, timeout) as held:
+        if not held:
             return Result("checkpoint flags", True, "the other thread never entered set_checkpoint_early_stop")
         x = torch.ones(2, requires_grad=True)
         checkpoint.checkpoint(function, x, use_reentrant=False).sum().backward()
@@ -65,9 +58,6 @@ def checkpoint_flags_elsewhere(timeout: float = 60.0) -> Result | None:
             seen["a checkpoint with a context_fn"] = "ran"
         except ValueError as exc:
             seen["a checkpoint with a context_fn"] = f"raised ValueError: {exc}"
-    finally:
-        release.set()
-        thread.join(timeout)
     hazard = (
         seen["runs of the function's tail"] != 1
         or seen["a checkpoint with a context_fn"] != "ran"

@@ -22,11 +22,10 @@ and a value a thread set before that import becomes the importing thread's (as f
 from __future__ import annotations
 
 import importlib
-import threading
 
 from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result
+from .._selftest import Result, held_elsewhere
 
 QUANTIZED = "torch._export.passes.replace_quantized_ops_with_standard_ops_pass"
 UTILS = "torch._export.utils"
@@ -79,28 +78,16 @@ def export_pass_flags_elsewhere(timeout: float = 60.0) -> Result | None:
     if not hasattr(unflatten, "_disable_interpreter"):
         return None
     no_asserts = getattr(utils, "_disable_aten_to_metadata_assertions", contextlib.nullcontext)  # 2.8+
-    inside, release, seen = threading.Event(), threading.Event(), {}
+    seen: dict[str, object] = {}
 
-    def held() -> None:
-        try:
-            with unflatten._disable_interpreter(), no_asserts():
-                seen["A's own interpreter switch"] = getattr(unflatten, INTERPRETER)
-                inside.set()
-                release.wait(timeout)
-        finally:
-            inside.set()
+    def own_view() -> None:
+        seen["A's own interpreter switch"] = getattr(unflatten, INTERPRETER)
 
-    thread = threading.Thread(target=held, name="torchfix-selftest", daemon=True)
-    thread.start()
-    try:
-        inside.wait(timeout)
+    with held_elsewhere([unflatten._disable_interpreter, no_asserts], own_view, timeout):
         program = torch.export.export(_to_double(), (torch.ones(2),))
         checks = [n for n in program.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
         seen["the main thread's export: _assert_tensor_metadata nodes"] = len(checks)
         seen["its unflattened module runs with the interpreter"] = torch.export.unflatten(program)._run_with_interpreter
-    finally:
-        release.set()
-        thread.join(timeout)
     wants_checks = hasattr(utils, "_disable_aten_to_metadata_assertions")
     hazard = (
         seen["its unflattened module runs with the interpreter"] is not True

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import ast
 import importlib
-import threading
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch, ThreadLocalGlobals, accesses_left, moved_global_probe, per_thread_class
-from .._selftest import Result
+from .._selftest import Result, held_elsewhere
 from .._source import Edit, ShapeError, definitions, parse, replace_node, segment
 
 LOCAL_MAP = "torch._higher_order_ops.local_map"
@@ -140,24 +139,15 @@ def local_map_flags_elsewhere(timeout: float = 60.0) -> Result | None:
         "out_placements": ((Shard(0),),),
         "device_mesh": _TwoDeviceMesh(),
     }
-    fake, inside, release, seen = FakeTensorMode(), threading.Event(), threading.Event(), {}
+    fake, seen = FakeTensorMode(), {}
     with local_map.defer_inlining(), fake:  # fake tensors only in this thread: torch 2.10 - 2.11 can crash else
         x = torch.ones(4, requires_grad=True)
         deferred = local_map.local_map_hop(graph, x)[0]
 
-    def held() -> None:
-        try:
-            with local_map.defer_inlining(), Wrapped.enable():
-                seen["A's own"] = (local_map._DEFER_INLINING, Wrapped.should_wrap_in_hop(_local_map_wrapped))
-                inside.set()
-                release.wait(timeout)
-        finally:
-            inside.set()
+    def own_view() -> None:
+        seen["A's own"] = (local_map._DEFER_INLINING, Wrapped.should_wrap_in_hop(_local_map_wrapped))
 
-    thread = threading.Thread(target=held, name="torchfix-selftest", daemon=True)
-    thread.start()
-    try:
-        inside.wait(timeout)
+    with held_elsewhere([local_map.defer_inlining, Wrapped.enable], own_view, timeout):
         try:
             with fake:
                 out = local_map.local_map_hop(graph, torch.ones(4))
@@ -171,9 +161,6 @@ def local_map_flags_elsewhere(timeout: float = 60.0) -> Result | None:
             seen["the backward of the deferred op"] = f"gradient shape {tuple(grad.shape)}"
         except Exception as exc:
             seen["the backward of the deferred op"] = _raised(exc)
-    finally:
-        release.set()
-        thread.join(timeout)
     hazard = (
         seen["the main thread's fake trace"] != "output shapes [(4,)]"
         or seen["Dynamo wraps local_map in the main thread"] is not False
