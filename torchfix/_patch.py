@@ -317,6 +317,12 @@ def moved_global_probe(module: str, holder: str, name: str, absent: str) -> Call
     there (the fix is in) or the global is not (``absent`` says why); None (needed) otherwise."""
 
     def probe() -> str | None:
+        try:
+            found = importlib.util.find_spec(module)
+        except ModuleNotFoundError:  # its package is missing too
+            found = None
+        if found is None:  # a release before the module: nothing of it to fix
+            return absent
         namespace = vars(importlib.import_module(module))
         if holder in namespace:
             return f"{module}.{name} is per thread already"

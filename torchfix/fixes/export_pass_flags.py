@@ -22,6 +22,7 @@ and a value a thread set before that import becomes the importing thread's (as f
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
@@ -71,6 +72,8 @@ def export_pass_flags_elsewhere(timeout: float = 60.0) -> Result | None:
 
     import torch
 
+    if importlib.util.find_spec("torch.export._trace") is None:  # before 2.3: no torch.export to speak of
+        return None
     importlib.import_module("torch.export._trace")  # applies the fix, as every export does before it traces
     utils = importlib.import_module(UTILS)
     unflatten = importlib.import_module(UNFLATTEN)  # the module (torch.export.unflatten is also a function)

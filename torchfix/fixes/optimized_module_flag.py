@@ -36,10 +36,11 @@ def optimized_module_elsewhere(timeout: float = 60.0) -> Result | None:
     if not hasattr(eval_frame, "_is_in_optimized_module"):
         return None
     running, release, seen = threading.Event(), threading.Event(), {}
+    waits_in: list[int] = []  # the thread whose call waits inside the graph
 
     def backend(gm, example_inputs):
         def run(*args):
-            if not running.is_set():
+            if threading.get_ident() in waits_in and not running.is_set():
                 seen["inside A's compiled module"] = eval_frame._is_in_optimized_module()
                 running.set()
                 release.wait(timeout)
@@ -48,8 +49,11 @@ def optimized_module_elsewhere(timeout: float = 60.0) -> Result | None:
         return run
 
     compiled = torch.compile(module_around(lambda x: x + 1), backend=backend)
+    # Compiled here, so that A only calls: torch 2.10 - 2.11 can crash compiling in a thread after another did.
+    compiled(torch.ones(2))
 
     def call_in_a() -> None:
+        waits_in.append(threading.get_ident())
         try:
             compiled(torch.ones(2))
         except Exception as exc:
