@@ -10,6 +10,7 @@ can throw away: on an unpatched torch, some leave the process broken (H2: the FX
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -253,6 +254,14 @@ def held_elsewhere(
     finally:
         release.set()
         thread.join(timeout)
+
+
+def torch_module(name: str) -> types.ModuleType | None:
+    """The torch module ``name``, imported; None where this release does not have it (its scenario returns None)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        return None
 
 
 def in_thread(fn: Callable[[], object], timeout: float) -> object:

@@ -33,6 +33,9 @@ def checkpoint_flags_elsewhere(timeout: float = 60.0) -> Result | None:
     import torch
     import torch.utils.checkpoint as checkpoint
 
+    if not hasattr(checkpoint, "set_checkpoint_early_stop"):  # 2.1+
+        return None
+
     seen: dict[str, object] = {}
     tail_runs = []
 

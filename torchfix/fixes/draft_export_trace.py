@@ -21,7 +21,7 @@ import threading
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
-from .._selftest import Result
+from .._selftest import Result, torch_module
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch.export._draft_export"
@@ -92,12 +92,7 @@ def overlapping_draft_captures(timeout: float = 60.0) -> Result | None:
     """Threads A and B each enter a draft export's trace capture (A first) and leave it in the same order (A
     first): afterwards the detailed-trace switch must be what it was before. None where torch has no draft export
     (before 2.6)."""
-    import torch._logging._internal as logging_internal
-
-    try:
-        draft = importlib.import_module(MODULE)
-    except ImportError:
-        return None
+    logging_internal, draft = torch_module("torch._logging._internal"), torch_module(MODULE)
     capture = getattr(draft, "CaptureStructuredTrace", None)
     if capture is None:
         return None

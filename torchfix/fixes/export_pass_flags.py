@@ -26,7 +26,7 @@ import importlib.util
 
 from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, held_elsewhere
+from .._selftest import Result, held_elsewhere, torch_module
 
 QUANTIZED = "torch._export.passes.replace_quantized_ops_with_standard_ops_pass"
 UTILS = "torch._export.utils"
@@ -72,9 +72,8 @@ def export_pass_flags_elsewhere(timeout: float = 60.0) -> Result | None:
 
     import torch
 
-    if importlib.util.find_spec("torch.export._trace") is None:  # before 2.3: no torch.export to speak of
+    if torch_module("torch.export._trace") is None:  # imported, it applies the fix, as every export does
         return None
-    importlib.import_module("torch.export._trace")  # applies the fix, as every export does before it traces
     utils = importlib.import_module(UTILS)
     unflatten = importlib.import_module(UNFLATTEN)  # the module (torch.export.unflatten is also a function)
 

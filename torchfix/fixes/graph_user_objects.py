@@ -37,7 +37,7 @@ import types
 
 from .._fix import Fix, Scenario, releases
 from .._patch import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, fresh
+from .._selftest import Result, fresh, torch_module
 
 MODULE = "torch._dynamo.graph_bytecode_inputs"
 HOLDER = "_user_objects_tls"
@@ -99,7 +99,7 @@ def leaf_module_elsewhere(timeout: float = 60.0) -> Result | None:
     again. None where torch has no ``leaf_function`` (before 2.11)."""
     import torch
 
-    leaf_function = getattr(importlib.import_module("torch._dynamo.decorators"), "leaf_function", None)
+    leaf_function = getattr(torch_module("torch._dynamo.decorators"), "leaf_function", None)
     if leaf_function is None:
         return None
     ran: list[tuple[str, str]] = []  # (the thread, the module it ran)

@@ -29,7 +29,7 @@ import importlib
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch, ThreadLocalGlobals, accesses_left, moved_global_probe, per_thread_class
-from .._selftest import Result, held_elsewhere
+from .._selftest import Result, held_elsewhere, torch_module
 from .._source import Edit, ShapeError, definitions, parse, replace_node, segment
 
 LOCAL_MAP = "torch._higher_order_ops.local_map"
@@ -123,9 +123,7 @@ def local_map_flags_elsewhere(timeout: float = 60.0) -> Result | None:
     ``torch.distributed``."""
     import torch
 
-    if not hasattr(importlib.import_module("torch._higher_order_ops"), "local_map") or not (
-        torch.distributed.is_available()
-    ):
+    if not hasattr(torch_module("torch._higher_order_ops"), "local_map") or not (torch.distributed.is_available()):
         return None
     from torch._dynamo.variables.higher_order_ops import LocalMapWrappedHigherOrderVariable as Wrapped
     from torch._higher_order_ops import local_map
