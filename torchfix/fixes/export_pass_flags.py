@@ -22,7 +22,6 @@ and a value a thread set before that import becomes the importing thread's (as f
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 from .._fix import Fix, Scenario, minor_release, releases
 from .._patch import ThreadLocalGlobals, moved_global_probe
