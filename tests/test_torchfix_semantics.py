@@ -2,7 +2,7 @@
 the forward's flag (torch 2.14's behaviour), verify() catches a global access left behind."""
 
 import pytest
-from conftest import HAS_H1, HAS_H3, HAS_H5_FIX, run_ok
+from conftest import HAS_H1, HAS_H3, HAS_H5_FIX, TORCH_VERSION, run_ok
 
 
 def test_fullgraph_compile_folds_the_predicates(disabled):
@@ -278,3 +278,31 @@ print(json.dumps([states["graph-user-objects"], [getattr(m, n) is getattr(tables
     if ran[0] != "applied":
         pytest.skip("graph-user-objects does not apply to this torch")
     assert ran[1] and all(ran[1]), ran
+
+
+@pytest.mark.skipif(TORCH_VERSION.release < (2, 10), reason="torch has _in_optimized_module from 2.10")
+def test_a_plain_thread_local_holder_keeps_each_threads_value():
+    # optimized-module-flag's holder is a plain threading.local (no call per access): a value set before the
+    # install stays the installing thread's, a new thread reads the file's default, `module.NAME` reads the
+    # caller's, and uninstalling makes the caller's value the global again.
+    ran = run_ok("""
+import json, threading
+import torch
+from torch._dynamo import eval_frame as ef
+ef._in_optimized_module = True  # stuck before the install
+import torchfix
+def elsewhere():
+    seen = []
+    def read():
+        with ef._set_in_optimized_module():
+            inside = ef._is_in_optimized_module()
+        seen.append([inside, ef._is_in_optimized_module(), ef._in_optimized_module])
+    thread = threading.Thread(target=read)
+    thread.start(); thread.join()
+    return seen[0]
+seen = {"installer": [ef._is_in_optimized_module(), ef._in_optimized_module], "new_thread": elsewhere()}
+torchfix.uninstall()
+seen["global_after_uninstall"] = vars(ef)["_in_optimized_module"]
+print(json.dumps(seen))
+""").json()
+    assert ran == {"installer": [True, True], "new_thread": [True, False, False], "global_after_uninstall": True}
