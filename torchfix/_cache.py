@@ -36,7 +36,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-_FORMAT = 1  # bump when what an entry holds changes shape
+_FORMAT = 2  # bump when what an entry holds changes shape
 
 
 def digest(*parts: str) -> str:

@@ -299,9 +299,13 @@ class PatchedFile:
     def is_applied(self, owner: object) -> bool:
         return owner in self.layers and all(func.__code__ is code for func, code in self.installed.items())
 
-    def _compile(self, edits: list[Edit]) -> tuple[types.CodeType, set[tuple[str, int]], set[tuple[str, str, int]]]:
-        """The edited file's code, the (name, first line) of the edited nested functions, and the (qualified
-        name, name, first line) of the module-level functions and methods the edits are in."""
+    def _compile(
+        self, edits: list[Edit]
+    ) -> tuple[dict[tuple[str, int], types.CodeType], set[tuple[str, int]], set[tuple[str, str, int]]]:
+        """The code of the edited functions by (name, first line), the (name, first line) of the edited nested
+        functions, and the (qualified name, name, first line) of the module-level functions and methods the edits
+        are in. Only the edited functions' code: loading a whole torch file's code back from the cache cost more
+        than the rest of a patch's start."""
         filename = self.module.__file__
         tree = parse(self.source)
         try:
@@ -313,7 +317,9 @@ class PatchedFile:
             (qualname, node.name, first_line(node))
             for qualname, node in (outermost_function(tree, e.line) for e in edits)
         }
-        return compiled, nested, outermost
+        wanted = nested | {(name, line) for _qualname, name, line in outermost}
+        codes = {(c.co_name, c.co_firstlineno): c for c in iter_code(compiled)}
+        return {key: code for key, code in codes.items() if key in wanted}, nested, outermost
 
     def _plan(self, layers: dict[object, list[Edit]]) -> Callable[[], None]:
         """The swaps that give every live function the code of the file with ``layers`` applied."""
@@ -322,8 +328,7 @@ class PatchedFile:
         # Parsing and compiling a torch file is most of an import's cost: kept between processes (_cache),
         # keyed by the file's path (compiled into the code) and text, and by the edits.
         key = (filename, digest(self.source), digest(repr(sorted(astuple(e) for e in edits))))
-        compiled, nested, outermost = cached("compiled", key, lambda: self._compile(edits))
-        new_codes = {(c.co_name, c.co_firstlineno): c for c in iter_code(compiled)}
+        new_codes, nested, outermost = cached("compiled", key, lambda: self._compile(edits))
 
         target: dict[types.FunctionType, types.CodeType] = {}
         for func in live_functions(module) if nested else ():  # live closures of edited nested functions

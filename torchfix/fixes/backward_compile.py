@@ -20,6 +20,9 @@ autograd retraces ``bw_module`` later, and Inductor's passes change the graph th
 eager compile fails is still compiled lazily, with torch's warning, as upstream does for dynamic shapes.
 
 Cost: a graph compiled for training has its backward compiled up front, also if it is never used.
+
+Applied when AOTAutograd is imported (by the first compile): every release's switch or eager path is read there
+first, and importing ``torch._functorch.config`` at ``import torchfix`` cost 3 ms of its 50.
 """
 
 from __future__ import annotations
@@ -118,4 +121,5 @@ FIX = Fix(
     versions=releases("2.6"),
     probe=_probe,
     patches=_patches,
+    trigger=AOT,
 )
