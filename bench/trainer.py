@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # The lock-around-the-first-step workaround, put around the unmodified trainer.
@@ -137,8 +138,10 @@ def one(
             *(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={replicas}"),
             *("-m", "dflash_train", *flags, "--ranks-share-devices"),
         ]
+    started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     row: dict[str, object] = {"mode": label, "replicas": replicas, "compile_mode": compile_mode, "streams": streams}
+    row["wall_s"] = round(time.perf_counter() - started, 1)  # the whole process: start, load, compile, steps, save
     row["out_dir"] = str(out)  # the run's outputs (metrics.jsonl, a profile), kept
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if proc.returncode == 0 else []
