@@ -6,15 +6,16 @@ one on the CPU), a 5-layer drafter with block 16 and 64 anchors over 1024-token 
 on the CPU). Runs alternate in ABBA order (on, off, off, on, ...) so that drift of the machine falls on both
 sides; each pair gives one on/off ratio of tokens/s, and the result is the ratio of the medians with the
 pairs' spread (``--pairs 0``: none). ``--fixes`` adds one run per fix with only that fix disabled, against the
-median of the runs with all of them on. ``--profile`` adds one run each way with ``--profile-steps`` over the
-middle half of the run (torch.profiler, every thread, CUDA kernels on GPU), right after the warm-up, and
-compares them op by op, per step: where the difference is.
+median of the runs with all of them on: each fix that those runs applied (each run records them; a fix whose
+trigger module the trainer never imports is never applied, and disabling it changes nothing). ``--profile``
+adds one run each way with ``--profile-steps`` over the middle half of the run (torch.profiler, every thread,
+CUDA kernels on GPU), right after the warm-up, and compares them op by op, per step: where the difference is.
 
 All runs share one Inductor/Triton cache, filled by a first run that is not counted: what is measured is
 the steady step, not compilation, and every counted run then compiles the same way.
 
-A run of the whole schedule outlasts many job limits (about a minute a run on the H200; 5 pairs, a profile and
-30 fixes make 72 runs), so it can be resumed: ``state`` (``python -m bench cost --out DIR`` keeps it in
+A run of the whole schedule outlasts many job limits (35 - 55 s a run on the H200; 5 pairs, a profile and
+a run per fix make over 50 runs), so it can be resumed: ``state`` (``python -m bench cost --out DIR`` keeps it in
 ``DIR/cost-state``) records each finished run, and a later invocation with the same state runs only what is
 missing, after its own uncounted warm-up where the compile caches are not there (another machine). Each run
 names its machine, and the table says when the runs came from more than one.
@@ -129,15 +130,22 @@ def run(
     }
     if fixes:
         base = statistics.median(on) if on else None
-        result["one_fix_disabled"] = [
-            measure(f"without {status.name}", status.name) | {"vs_all_on": None}
-            for status in torchfix.status()
-            if status.state.value in ("applied", "pending import")
-        ]
+        known = [s.name for s in torchfix.status() if s.state.value in ("applied", "pending import")]
+        chosen, result["never_applied"] = fixes_to_disable(known, runs)
+        result["one_fix_disabled"] = [measure(f"without {name}", name) | {"vs_all_on": None} for name in chosen]
         for row in result["one_fix_disabled"]:
             row["vs_all_on"] = (row.get("tokens_per_s") or 0.0) / base if base else None
     result["machines"] = sorted({r["machine"] for r in (*warmups, *ledger.rows()) if "machine" in r})
     return result
+
+
+def fixes_to_disable(known: list[str], runs: list[dict]) -> tuple[list[str], list[str]]:
+    """The fixes to run disabled in turn, and those not: a fix that no run with torchfix applied (its trigger module
+    never imported) changes nothing when disabled. Runs that did not record their fixes (older ledgers) count as
+    having applied every fix."""
+    recorded = [r["applied_fixes"] for r in runs if r["disabled"] == "" and "applied_fixes" in r]
+    applied = set().union(*recorded) if recorded else set(known)
+    return [name for name in known if name in applied], [name for name in known if name not in applied]
 
 
 def _source_digest(package: object) -> str:
@@ -275,6 +283,8 @@ def table(result: dict) -> str:
                 f"{r['self_us'][0] / 1000:>8.3f} / {r['self_us'][1] / 1000:.3f} ms"
                 for r in rows
             ]
+    if result.get("never_applied"):
+        lines.append(f"not applied in the runs with torchfix (not run disabled): {', '.join(result['never_applied'])}")
     for row in result.get("one_fix_disabled", []):
         versus = f" (x{row['vs_all_on']:.4f})" if row["vs_all_on"] is not None else ""
         lines.append(f"without {row['disabled']}: {row.get('tokens_per_s') or 0:,.0f} tokens/s{versus}")

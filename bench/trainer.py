@@ -64,6 +64,20 @@ model.Drafter.training_loss, workers.StepSync.wait = locked_training_loss, relea
 sys.exit(cli.main(sys.argv[1:]))
 """
 
+# The trainer as shipped, and then the fixes its torchfix applied (those whose trigger module the run imported),
+# written to the file named by the first argument: what disabling one fix can change in such a run.
+REPORTING_MAIN = r"""
+import json, sys
+from dflash_train import __main__ as cli
+
+code = cli.main(sys.argv[2:])
+torchfix = sys.modules.get("torchfix")
+applied = [s.name for s in torchfix.status() if s.state.value == "applied"] if torchfix else []
+with open(sys.argv[1], "w") as f:
+    json.dump(applied, f)
+sys.exit(code)
+"""
+
 
 def _flags(device: str, replicas_per_process: int, steps: int, batch: int, seq_len: int, quick: bool) -> list[str]:
     flags = [
@@ -128,7 +142,7 @@ def one(
     if quick:
         flags.append(f"--cache-dir={out / 'cache'}")
     if mode == "threads":
-        command = [sys.executable, "-m", "dflash_train", *flags]
+        command = [sys.executable, "-c", REPORTING_MAIN, str(out / "applied_fixes.json"), *flags]
     elif mode == "lock":
         env["TORCHFIX_DISABLE"] = "1"
         command = [sys.executable, "-c", LOCKED_MAIN, *flags]
@@ -150,6 +164,9 @@ def one(
         row |= {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1], "returncode": proc.returncode}
     else:
         row |= _figures(records, summary)
+        applied = out / "applied_fixes.json"
+        if applied.is_file():
+            row["applied_fixes"] = json.loads(applied.read_text())
     # Each run as it ends: a benchmark cut short by a time limit still leaves the runs before it.
     print(f"bench run: TORCHFIX_DISABLE={disable!r} {json.dumps(row)}", file=sys.stderr, flush=True)
     return row

@@ -124,3 +124,14 @@ def test_cost_ledger_resumes_and_refuses_another_shape(tmp_path):
     assert _Ledger(path, ("cuda:0", 40, 12))["pair 0 run 1 off"] == {"tokens_per_s": 2.0}
     with pytest.raises(SystemExit, match="another shape"):
         _Ledger(path, ("cpu", 12, 6))
+
+
+def test_cost_runs_disabled_only_the_fixes_a_run_applied():
+    from bench.cost import fixes_to_disable
+
+    known = ["a", "b", "c"]
+    on = {"disabled": "", "applied_fixes": ["a", "c"]}
+    off = {"disabled": "1", "applied_fixes": []}
+    assert fixes_to_disable(known, [on, off, on | {"applied_fixes": ["c"]}]) == (["a", "c"], ["b"])
+    # Runs of an older ledger did not record them: every fix is run disabled.
+    assert fixes_to_disable(known, [{"disabled": ""}, off]) == (known, [])
