@@ -210,6 +210,39 @@ print(json.dumps(seen["before_backward"]))
     assert ran == (["forward"] if disabled else ["forward", "backward"])
 
 
+def test_backward_compile_fix_applies_when_a_threads_first_compile_imports_aot_autograd():
+    # backward-compile-deadlock waits for AOTAutograd (not imported by `import torch`): a thread's first compile
+    # imports it, and that compile's backward must already be compiled with its forward.
+    ran = run_ok("""
+import json, sys, threading
+import torch, torchfix
+pending = "torch._functorch.aot_autograd" not in sys.modules
+state = lambda: next(s.state.value for s in torchfix.status() if s.name == "backward-compile-deadlock")
+seen = {"before": state()}
+def worker():
+    from torch._dynamo.backends.common import aot_autograd
+    compiled = []
+    def record(kind):
+        def compiler(graph, example_inputs):
+            compiled.append(kind)
+            return graph.forward
+        return compiler
+    backend = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
+    step = torch.compile(lambda w, x: (w * x).sin().sum(), backend=backend)
+    step(torch.ones(4, requires_grad=True), torch.ones(4))
+    seen["compiled before backward"] = compiled
+thread = threading.Thread(target=worker)
+thread.start(); thread.join()
+seen["after"] = state()
+print(json.dumps([pending, seen]))
+""").json()
+    pending, seen = ran
+    if not HAS_H5_FIX:
+        pytest.skip("before torch 2.6 the fix is not needed")
+    assert pending and seen["before"] == "pending import", ran
+    assert seen["after"] == "applied" and seen["compiled before backward"] == ["forward", "backward"], ran
+
+
 def test_allow_mutation_on_saved_tensors_in_one_thread_is_torchs(disabled):
     # saved-tensor-mutation splits torch's flag into a per-thread one and the context's own: in one thread,
     # what a user sees must not change (the mutated tensor's saved value, the nesting error, backward after exit).
