@@ -236,7 +236,7 @@ def _global_uses(source: str, filename: str, name: str) -> tuple[list[ast.Name],
     Whether a name in a function is global is the compiler's call (a parameter, an assignment or a
     ``global`` statement anywhere in the function changes it), so ask ``symtable`` rather than guess.
     """
-    import symtable  # here: only a cold cache works out edits, and the import costs 1 ms of every start
+    import symtable  # here: only a cold cache works out edits (the import: about 1 ms on the CPU machine)
 
     tree = parse(source)
     global_scopes = {
@@ -560,7 +560,8 @@ class ThreadLocalGlobals(SourcePatch):
     def _verify_per_thread(self, module: types.ModuleType) -> None:
         """Behaviour, not just bytecode: ``module.NAME``, which other modules read, serves the calling thread's
         value from the holder. (That the holder keeps a value per thread is :func:`per_thread_class`'s, the same on
-        every release and tested there; checking it here took a thread start per patch, a tenth of the import.)"""
+        every release and tested there; checking it here took a thread start per patch: 2.3 ms of the import on the H200
+        machine.)"""
         holder = vars(module)[self.holder]
         for name, attr in self._moved.items():
             own, probe = getattr(holder, attr), object()

@@ -12,9 +12,9 @@ A global from 2.10 to 2.15.
 The flag moves to per-thread storage (``eval_frame._in_optimized_module_tls``) with :class:`ThreadLocalGlobals`;
 both functions that use it are in ``eval_frame``. Every compiled module's call writes it twice, so it is a plain
 ``threading.local`` (``seen_in_backward=False``): its accesses call nothing, where the holders that autograd's
-device thread shares with the forward's thread cost a compiled ``nn.Linear`` call 16 more Python calls and a
-sixth of its time (torch 2.13, CPU). A backward is never inside a compiled module's call, and on the device thread
-the flag reads False, the value torch's global has there too whenever no other thread is in such a call.
+device thread shares with the forward's thread cost a compiled ``nn.Linear`` call 16 more Python calls (torch
+2.13). A backward is never inside a compiled module's call, and on the device thread the flag reads False, the
+value torch's global has there too whenever no other thread is in such a call.
 """
 
 from __future__ import annotations
