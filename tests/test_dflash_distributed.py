@@ -21,6 +21,9 @@ from test_dflash_cli import REPO, run_cli, start_training, tiny_flags
 
 from dflash_train.config import ConfigError, TrainConfig
 
+# One worker runs this file under pytest-xdist: its 2-rank run is a module fixture, made once.
+pytestmark = pytest.mark.xdist_group("two-ranks")
+
 TWO_RANKS = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 STEPS = 4
 
