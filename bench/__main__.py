@@ -27,7 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="", help="cudagraphs: indices of the configurations to run (0,1,...)")
     parser.add_argument("--parallel", type=int, default=1, help="cudagraphs: runs at once, each its own process")
     parser.add_argument("--pairs", type=int, default=5, help="cost: ABBA pairs of runs, torchfix on and off (0: none)")
-    parser.add_argument("--fixes", action="store_true", help="cost: also one run with each fix disabled in turn")
+    parser.add_argument(
+        "--fixes",
+        nargs="?",
+        const="",
+        metavar="NAME,...",
+        help="cost: also one run with each fix disabled in turn (those named, else every one the runs applied)",
+    )
     parser.add_argument("--profile", action="store_true", help="cost: also profile a few steps each way, op by op")
     parser.add_argument(
         "--resume", action="store_true", help="cost: go on with the runs an interrupted run recorded in OUT/cost-state"
@@ -45,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             state = out / "cost-state"
             if not args.resume:
                 shutil.rmtree(state, ignore_errors=True)
-            options = {"device": args.device, "pairs": args.pairs, "fixes": args.fixes, "profile": args.profile}
+            fixes = None if args.fixes is None else [name for name in args.fixes.split(",") if name]
+            options = {"device": args.device, "pairs": args.pairs, "fixes": fixes, "profile": args.profile}
             options |= {"state": state}
         result = BENCHMARKS[name].run(quick=args.quick, **options)
         print(f"== {name}\n{BENCHMARKS[name].table(result)}")

@@ -7,7 +7,8 @@ on the CPU). Runs alternate in ABBA order (on, off, off, on, ...) so that drift 
 sides; each pair gives one on/off ratio of tokens/s, and the result is the ratio of the medians with the
 pairs' spread (``--pairs 0``: none). ``--fixes`` adds one run per fix with only that fix disabled, against the
 median of the runs with all of them on: each fix that those runs applied (each run records them; a fix whose
-trigger module the trainer never imports is never applied, and disabling it changes nothing). ``--profile``
+trigger module the trainer never imports is never applied, and disabling it changes nothing), or only those
+named (``--fixes a,b``: a schedule spread over sessions). ``--profile``
 adds one run each way with ``--profile-steps`` over the middle half of the run (torch.profiler, every thread,
 CUDA kernels on GPU), right after the warm-up, and compares them op by op, per step: where the difference is.
 
@@ -40,7 +41,7 @@ def run(
     quick: bool = False,
     device: str = "cpu",
     pairs: int = 5,
-    fixes: bool = False,
+    fixes: list[str] | None = None,
     profile: bool = False,
     state: Path | None = None,
 ) -> dict[str, object]:
@@ -48,6 +49,9 @@ def run(
 
     import torchfix
 
+    unknown = sorted(set(fixes or ()) - {s.name for s in torchfix.status()})
+    if unknown:  # before any run: a typo must not cost a schedule
+        raise SystemExit(f"bench cost --fixes: no fix named {', '.join(unknown)} (python -m torchfix lists them)")
     kind = "cuda" if device.startswith("cuda") else "cpu"
     steps, batch, seq_len, flags = REAL_SIZES[kind]
     if quick:
@@ -128,9 +132,10 @@ def run(
         "ratio_of_medians": statistics.median(on) / statistics.median(off) if off and statistics.median(off) else None,
         "pair_ratios": pair_ratios,
     }
-    if fixes:
+    if fixes is not None:
         base = statistics.median(on) if on else None
         known = [s.name for s in torchfix.status() if s.state.value in ("applied", "pending import")]
+        known = [name for name in known if not fixes or name in fixes]
         chosen, result["never_applied"] = fixes_to_disable(known, runs)
         result["one_fix_disabled"] = [measure(f"without {name}", name) | {"vs_all_on": None} for name in chosen]
         for row in result["one_fix_disabled"]:

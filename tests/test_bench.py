@@ -135,3 +135,15 @@ def test_cost_runs_disabled_only_the_fixes_a_run_applied():
     assert fixes_to_disable(known, [on, off, on | {"applied_fixes": ["c"]}]) == (["a", "c"], ["b"])
     # Runs of an older ledger did not record them: every fix is run disabled.
     assert fixes_to_disable(known, [{"disabled": ""}, off]) == (known, [])
+
+
+def test_cost_refuses_a_fix_name_it_does_not_know_before_any_run(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "cost", "--quick", "--fixes", "fx-tracing-flag,no-such-fix", "--out", tmp_path],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and "no fix named no-such-fix" in proc.stderr, proc.stderr
+    assert not (tmp_path / "cost-state" / "runs.jsonl").exists()
