@@ -1,7 +1,8 @@
 """The torch version matrix: the torchfix tests on one release per torch minor, 2.0 - 2.15.
 
     nox -l                      # list sessions
-    nox -s "shim(torch2.13)"    # one release (ids are not bare numbers: nox would read "2.10" as 2.1)
+    nox -s "shim(torch2.13)"    # one release (ids are not bare numbers: nox would read "2.10" as 2.1), but the
+                                #   tests marked release_independent (torchfix's own machinery)
     nox -s shim                 # the whole matrix (downloads ~3 GB per release)
     nox -s tests                # the full suite (trainer included) on the default torch
     nox -s dflash_client        # an exported drafter in z-lab's reference DFlash client
