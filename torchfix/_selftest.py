@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -278,6 +280,74 @@ def in_thread(fn: Callable[[], object], timeout: float) -> object:
     thread.start()
     thread.join(timeout)
     return box[0] if box else TimeoutError(f"no answer in {timeout} s")
+
+
+def line_of(function: types.FunctionType, text: str) -> int:
+    """The line of ``function``'s file on which its first statement starting with ``text`` is."""
+    from ._source import ShapeError
+
+    lines, first = inspect.getsourcelines(function)
+    found = next((first + i for i, line in enumerate(lines) if line.strip().startswith(text)), None)
+    if found is None:
+        raise ShapeError(f"{function.__qualname__} has no line `{text}...`")
+    return found
+
+
+# A stop: run when the traced function reaches its line. It may block, to hold the thread there while other
+# threads go on. It returns False to stay armed (the frame was not the one it waits for), anything else once done.
+Stop = Callable[[types.FrameType], "bool | None"]
+
+
+def stopping(function: types.FunctionType, stops: dict[int, Stop], call: Callable[[], object]) -> object:
+    """``call()``, with a line-trace hook on the calling thread only that runs ``stops[line](frame)`` when
+    ``function``'s code reaches one of those lines of its file. Torch's code is not touched."""
+    code = function.__code__
+
+    def on_line(frame: types.FrameType, event: str, _arg: object) -> Callable:
+        stop = stops.get(frame.f_lineno) if event == "line" else None
+        if stop is not None and stop(frame) is not False:
+            del stops[frame.f_lineno]
+        return on_line
+
+    def on_call(frame: types.FrameType, _event: str, _arg: object) -> Callable | None:
+        same = frame.f_code.co_name == code.co_name and frame.f_code.co_filename == code.co_filename
+        return on_line if same else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        return call()
+    finally:
+        sys.settrace(previous)
+
+
+def hold(reached: threading.Event, release: threading.Event, timeout: float) -> Stop:
+    """A stop that says it was reached and waits to be released."""
+
+    def stop(_frame: types.FrameType) -> None:
+        reached.set()
+        release.wait(timeout)
+
+    return stop
+
+
+def started_thread(
+    name: str, target: Callable[[], object], ended: threading.Event, errors: dict[str, str]
+) -> threading.Thread:
+    """A started thread running ``target``; what it raises goes to ``errors[name]``, and ``ended`` is set when it ends
+    (so that a wait for a point it never reaches ends too)."""
+
+    def run() -> None:
+        try:
+            target()
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            ended.set()
+
+    thread = threading.Thread(target=run, name=f"torchfix-selftest-{name}", daemon=True)
+    thread.start()
+    return thread
 
 
 def run_all(timeout: float = 60.0) -> list[Result]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import inspect
 import sys
 import threading
 import types
@@ -31,7 +30,7 @@ from collections.abc import Callable
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
-from .._selftest import Result
+from .._selftest import Result, hold, line_of, started_thread, stopping
 from .._source import Edit, ShapeError, definitions, replace_node, segment
 
 PREDISPATCH = "torch._functorch.predispatch"
@@ -116,68 +115,6 @@ def _probe() -> str | None:
     return None
 
 
-def _line(function: types.FunctionType, text: str) -> int:
-    """The line of ``function``'s file on which its first statement starting with ``text`` is."""
-    lines, first = inspect.getsourcelines(function)
-    found = next((first + i for i, line in enumerate(lines) if line.strip().startswith(text)), None)
-    if found is None:
-        raise ShapeError(f"{function.__qualname__} has no line `{text}...`")
-    return found
-
-
-def _stopping(
-    function: types.FunctionType, stops: dict[int, Callable[[types.FrameType], None]], call: Callable[[], object]
-) -> object:
-    """``call()``, with a line-trace hook on the calling thread only that runs ``stops[line](frame)`` when
-    ``function``'s code reaches one of those lines of its file (once each). Torch's code is not touched; a stop
-    can block, to hold this thread at that point of torch's function while other threads go on."""
-    code = function.__code__
-
-    def on_line(frame: types.FrameType, event: str, _arg: object) -> Callable:
-        stop = stops.pop(frame.f_lineno, None) if event == "line" else None
-        if stop is not None:
-            stop(frame)
-        return on_line
-
-    def on_call(frame: types.FrameType, _event: str, _arg: object) -> Callable | None:
-        same = frame.f_code.co_name == code.co_name and frame.f_code.co_filename == code.co_filename
-        return on_line if same else None
-
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        return call()
-    finally:
-        sys.settrace(previous)
-
-
-def _hold(reached: threading.Event, release: threading.Event, timeout: float) -> Callable[[types.FrameType], None]:
-    def stop(_frame: types.FrameType) -> None:
-        reached.set()
-        release.wait(timeout)
-
-    return stop
-
-
-def _thread(
-    name: str, target: Callable[[], object], ended: threading.Event, errors: dict[str, str]
-) -> threading.Thread:
-    """A started thread running ``target``; what it raises goes to ``errors[name]``, and ``ended`` is set when it ends
-    (so that a wait for a point it never reaches ends too)."""
-
-    def run() -> None:
-        try:
-            target()
-        except Exception as exc:
-            errors[name] = f"{type(exc).__name__}: {exc}"
-        finally:
-            ended.set()
-
-    thread = threading.Thread(target=run, name=f"torchfix-selftest-{name}", daemon=True)
-    thread.start()
-    return thread
-
-
 def first_vmap_calls(timeout: float = 60.0) -> Result | None:
     """Two threads' first ``torch.vmap`` calls of the process. A has seen no decompositions lock and is about to
     make one; B then makes its own lock, takes it and, inside, is about to register the decompositions; A goes on
@@ -189,8 +126,8 @@ def first_vmap_calls(timeout: float = 60.0) -> Result | None:
     if predispatch is None or "DECOMPOSITIONS_LOCK" not in vars(predispatch) or predispatch.DECOMPOSITIONS_LOADED:
         return None
     load = predispatch.lazy_load_decompositions
-    make_lock, take_lock = _line(load, "DECOMPOSITIONS_LOCK = "), _line(load, "with DECOMPOSITIONS_LOCK")
-    register = _line(load, "from torch._decomp import decomposition_table")  # after the Library is made
+    make_lock, take_lock = line_of(load, "DECOMPOSITIONS_LOCK = "), line_of(load, "with DECOMPOSITIONS_LOCK")
+    register = line_of(load, "from torch._decomp import decomposition_table")  # after the Library is made
     a_saw_none, a_goes, a_on, b_inside, b_goes = (threading.Event() for _ in range(5))
     registered: list[str] = []
     errors: dict[str, str] = {}
@@ -201,15 +138,15 @@ def first_vmap_calls(timeout: float = 60.0) -> Result | None:
 
     def b_registers(frame: types.FrameType) -> None:
         registered.append("B")
-        _hold(b_inside, b_goes, timeout)(frame)
+        hold(b_inside, b_goes, timeout)(frame)
 
     def vmap(stops: dict[int, Callable[[types.FrameType], None]]) -> Callable[[], object]:
-        return lambda: _stopping(load, stops, lambda: torch.vmap(torch.sin)(torch.ones(2, 2)))
+        return lambda: stopping(load, stops, lambda: torch.vmap(torch.sin)(torch.ones(2, 2)))
 
-    a_stops = {make_lock: _hold(a_saw_none, a_goes, timeout), take_lock: a_takes_lock}
-    a = _thread("A", vmap({**a_stops, register: lambda _frame: registered.append("A")}), a_on, errors)
+    a_stops = {make_lock: hold(a_saw_none, a_goes, timeout), take_lock: a_takes_lock}
+    a = started_thread("A", vmap({**a_stops, register: lambda _frame: registered.append("A")}), a_on, errors)
     a_saw_none.wait(timeout)
-    b = _thread("B", vmap({register: b_registers}), b_inside, errors)
+    b = started_thread("B", vmap({register: b_registers}), b_inside, errors)
     b_inside.wait(timeout)
     a_goes.set()
     a_on.wait(timeout)  # A registered and ended, or waits for B's lock
@@ -235,7 +172,7 @@ def leaf_module_indices(timeout: float = 60.0) -> Result | None:
     store = getattr(leaf, "store_makefx_modules", None)
     if store is None:
         return None
-    file_it = _line(store, "_makefx_module_storage[")  # the line after the decrement
+    file_it = line_of(store, "_makefx_module_storage[")  # the line after the decrement
     taken = {name: threading.Event() for name in "AB"}
     goes = {name: threading.Event() for name in "AB"}
     modules = {name: torch.nn.Identity() for name in "AB"}
@@ -244,10 +181,10 @@ def leaf_module_indices(timeout: float = 60.0) -> Result | None:
 
     def thread(name: str) -> threading.Thread:
         def target() -> None:
-            stops = {file_it: _hold(taken[name], goes[name], timeout)}
-            indices[name] = _stopping(store, stops, lambda: store([modules[name]]))
+            stops = {file_it: hold(taken[name], goes[name], timeout)}
+            indices[name] = stopping(store, stops, lambda: store([modules[name]]))
 
-        return _thread(name, target, taken[name], errors)
+        return started_thread(name, target, taken[name], errors)
 
     a = thread("A")
     taken["A"].wait(timeout)

@@ -1,0 +1,208 @@
+"""fx-codegen-names: the names a thread writes for a graph's nodes, while it writes the graph's code, are its own.
+
+``Graph.python_code`` (every ``GraphModule.recompile``, and a ``_LazyGraphModule``'s first call, which is where the
+graphs of Dynamo and AOTAutograd get their code) names the nodes through a namespace of that call: for its whole
+duration it sets every node's ``_repr_fn`` to that namespace's naming function, then puts back what it found. The
+nodes are shared, the setting is not per thread. Two threads that write one graph's code at once (two drafter
+threads' first calls of one compiled layer's graph) name nodes in each other's namespace, and each puts back what
+it found when it began, the other's function or none: a node gets one name where the code defines it and another
+where it uses it. The forward raises ``UnboundLocalError`` (or ``NameError``) at every call, for good. Every
+release 2.0 - 2.15 has it; seen in the trainer's tests on 2.13 (``cannot access local variable 'getitem'`` in
+AOTAutograd's forward graph), and 17 of 400 codegens of one graph by two threads came out wrong there.
+
+The naming moves to per-thread storage: ``python_code`` keeps (graph, naming function) in a ``threading.local``
+(``_torchfix_codegen_names``) for its duration instead of writing the nodes, and ``Node.__repr__`` uses it for
+the nodes of that graph in that thread. (``override_node_repr``, the nested function that wrote them, stays in the
+file, uncalled.)
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import threading
+from collections.abc import Callable, Iterator
+
+from .._fix import Fix, Scenario, releases
+from .._patch import SourcePatch
+from .._selftest import Result, hold, line_of, started_thread, stopping
+from .._source import Edit, ShapeError, definitions, iter_code, replace_node, segment
+
+HELPER = "_torchfix_codegen_names"
+
+
+class CodegenNames(threading.local):
+    """The graph whose code this thread is writing, and the naming function of that ``python_code`` call."""
+
+    graph: object = None
+    node_repr: Callable[[object], str] | None = None
+
+    @contextlib.contextmanager
+    def naming(self, graph: object, node_repr: Callable[[object], str]) -> Iterator[None]:
+        outer = self.graph, self.node_repr  # a graph's code written while another's is (nested), then put back
+        self.graph, self.node_repr = graph, node_repr
+        try:
+            yield
+        finally:
+            self.graph, self.node_repr = outer
+
+    def repr_fn(self, node: object) -> Callable[[object], str] | None:
+        """What ``Node.__repr__`` calls: this thread's naming function for the graph it writes, else the node's own."""
+        return self.node_repr if node.graph is self.graph else node._repr_fn  # type: ignore[attr-defined]
+
+
+def _method(source: str, relpath: str, name: str) -> ast.FunctionDef:
+    function = definitions(source).get(name)
+    if function is None:
+        raise ShapeError(f"{relpath}: no {name}")
+    return function
+
+
+class _GraphNaming(SourcePatch):
+    """``Graph.python_code`` names the nodes through the calling thread's ``CodegenNames``."""
+
+    def __init__(self, names: CodegenNames) -> None:
+        super().__init__("torch.fx.graph", "torch/fx/graph.py")
+        self._names = names
+
+    def describe(self) -> str:
+        return super().describe() + f"; adds {HELPER}, the graph each thread writes code for and its names"
+
+    def edits(self, source: str) -> list[Edit]:
+        overrides = [
+            item.context_expr
+            for node in ast.walk(_method(source, self.relpath, "Graph.python_code"))
+            if isinstance(node, ast.With)
+            for item in node.items
+            if segment(source, item.context_expr) == "override_node_repr(self)"
+        ]
+        if len(overrides) != 1:
+            raise ShapeError(f"{self.relpath}: expected Graph.python_code to enter override_node_repr(self) once")
+        return [replace_node(overrides[0], f"{HELPER}.naming(self, node_repr)")]
+
+    def helpers(self) -> dict[str, object]:
+        return {HELPER: self._names}
+
+
+class _NodeRepr(SourcePatch):
+    """``Node.__repr__`` asks the calling thread's ``CodegenNames`` for its naming function."""
+
+    def __init__(self, names: CodegenNames) -> None:
+        super().__init__("torch.fx.node", "torch/fx/node.py")
+        self._names = names
+
+    def describe(self) -> str:
+        return super().describe() + f"; adds {HELPER} (the same object as torch.fx.graph's)"
+
+    def edits(self, source: str) -> list[Edit]:
+        function = _method(source, self.relpath, "Node.__repr__")
+        tests = [n.test for n in function.body if isinstance(n, ast.If) and segment(source, n.test) == "self._repr_fn"]
+        calls = [
+            n for n in ast.walk(function) if isinstance(n, ast.Call) and segment(source, n) == "self._repr_fn(self)"
+        ]
+        if len(tests) != 1 or len(calls) != 1:
+            raise ShapeError(f"{self.relpath}: Node.__repr__ is not `if self._repr_fn: return self._repr_fn(self)`")
+        return [
+            replace_node(tests[0], f"(_repr_fn := {HELPER}.repr_fn(self))"),
+            replace_node(calls[0], "_repr_fn(self)"),
+        ]
+
+    def helpers(self) -> dict[str, object]:
+        return {HELPER: self._names}
+
+
+def _patches(_torch_version: str) -> list[SourcePatch]:
+    names = CodegenNames()  # one object for both files: what python_code sets is what Node.__repr__ reads
+    return [_GraphNaming(names), _NodeRepr(names)]
+
+
+def _probe() -> str | None:
+    graph = importlib.import_module("torch.fx.graph")
+    if HELPER in vars(graph):
+        return "the names of the code being written are per thread already"
+    if not any("_repr_fn" in code.co_names for code in iter_code(graph.Graph.python_code.__code__)):
+        return "Graph.python_code does not set its nodes' _repr_fn (changed upstream)"
+    return None
+
+
+def _relu_plus_one(x):
+    import torch
+
+    return torch.relu(x) + 1
+
+
+def one_graph_written_twice(timeout: float = 60.0) -> Result:
+    """Two threads write one graph's code at once. A is about to name the input x; B starts and is about to name x
+    too; A names x and gets as far as taking the name ``relu`` for the next node; B names x, then that node; A
+    files its name and ends; then B ends. Each thread's code must be what one thread alone writes."""
+    import torch
+    from torch.fx.graph import _Namespace
+
+    graph = torch.fx.symbolic_trace(_relu_plus_one).graph
+    alone = graph.python_code("self").src
+    first, second = list(graph.nodes)[:2]
+    create_name = _Namespace.create_name
+    enter, files, named = (
+        line_of(create_name, text) for text in ("if obj", "self._obj_to_name[obj] =", "return candidate")
+    )
+    reached = {point: threading.Event() for point in ("A at x", "A at relu", "B at x", "B named relu")}
+    goes = {point: threading.Event() for point in reached}
+    a_namespace: list[object] = []
+    code: dict[str, str] = {}
+    errors: dict[str, str] = {}
+
+    def at(point: str, node: object, first_namespace_only: bool | None = None) -> Callable:
+        def stop(frame) -> bool | None:
+            if frame.f_locals["obj"] is not node:
+                return False
+            namespace = frame.f_locals["self"]
+            if first_namespace_only is True:
+                a_namespace.append(namespace)
+            elif first_namespace_only is False and namespace is a_namespace[0]:
+                return False  # A names the node in its own namespace: the bad interleaving cannot happen
+            return hold(reached[point], goes[point], timeout)(frame)
+
+        return stop
+
+    def writer(name: str, stops: dict[int, Callable]) -> Callable[[], None]:
+        return lambda: code.__setitem__(name, stopping(create_name, stops, lambda: graph.python_code("self").src))
+
+    a_stops = {enter: at("A at x", first, True), files: at("A at relu", second, False)}
+    a = started_thread("A", writer("A", a_stops), reached["A at relu"], errors)
+    reached["A at x"].wait(timeout)
+    b = started_thread(
+        "B",
+        writer("B", {enter: at("B at x", first), named: at("B named relu", second)}),
+        reached["B named relu"],
+        errors,
+    )
+    reached["B at x"].wait(timeout)
+    goes["A at x"].set()
+    reached["A at relu"].wait(timeout)  # or A ended: with the fix, A never names relu in B's namespace
+    goes["B at x"].set()
+    reached["B named relu"].wait(timeout)
+    goes["A at relu"].set()
+    a.join(timeout)
+    goes["B named relu"].set()
+    b.join(timeout)
+    wrong = {
+        name: next(line.strip() for line, expected in zip(src.splitlines(), alone.splitlines()) if line != expected)
+        for name, src in code.items()
+        if src != alone
+    }
+    detail = "; ".join(f"thread {name} wrote `{line}`" for name, line in sorted(wrong.items())) or "both wrote it right"
+    detail += "".join(f"; {name} raised {error[:200]}" for name, error in sorted(errors.items()))
+    return Result("one graph's code written by two threads at once", bool(wrong or errors), detail)
+
+
+FIX = Fix(
+    name="fx-codegen-names",
+    order=85,
+    hazard="two threads writing one graph's code at once (two first calls of one compiled graph) name its nodes "
+    "in each other's namespace: the forward defines a node under one name and uses another (UnboundLocalError)",
+    versions=releases("2.0"),
+    probe=_probe,
+    patches=_patches,
+    scenarios=(Scenario(one_graph_written_twice, releases("2.0"), shows="wrote `"),),
+)
