@@ -123,7 +123,7 @@ def test_pth_loads_torchfix_in_a_new_interpreter(tmp_path):
 # The soak's actions but export (concurrent torch.export.export is not thread-safe even with torchfix: see the
 # README) and inductor (C++ compiles are slow here).
 STRESS_ACTIONS = (
-    "symbolic_trace,make_fx,eager cond,compiled call,fresh compile,stance force_eager,node meta,eager module"
+    "symbolic_trace,make_fx,eager cond,compiled call,fresh compile,stance force_eager,node meta,eager module,graph code"
 )
 
 

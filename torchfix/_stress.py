@@ -4,7 +4,8 @@ once, on the user's own torch build, with torchfix on and with it off.
 Worker threads repeat random actions and check every result: ``symbolic_trace`` and ``make_fx`` of small
 functions, an eager ``torch.cond`` (a higher-order op: it enters ``_set_compilation_env``), calls of
 functions compiled with ``aot_eager`` (and inductor), fresh compiles, ``torch.export`` with a save/load
-round trip, compiled calls inside ``set_stance("force_eager")`` and node-meta recording. The main thread
+round trip, compiled calls inside ``set_stance("force_eager")``, node-meta recording and the code of one shared graph
+written again (what threads' first calls of one compiled graph do). The main thread
 does none of it: it samples every flag torchfix makes per thread, and each sample showing another
 thread's state is a leak. Once the workers stop, every flag must be back at its default (a stuck flag).
 
@@ -42,6 +43,9 @@ ERROR_HAZARDS = [
     ("node meta of another thread", "node meta"),
     ("_CURRENT_DESERIALIZER", "export deserializer"),
     ("_EXPORT_MODULE_HIERARCHY", "export trace"),
+    ("graph code", "FX codegen names"),
+    ("cannot access local variable", "FX codegen names"),  # a node defined under one name, used under another
+    ("referenced before assignment", "FX codegen names"),  # the same, in Python 3.10's words
 ]
 
 
@@ -57,6 +61,7 @@ ACTIONS = [
     "node meta",
     "eager module",
     "inductor call",
+    "graph code",
 ]
 
 
@@ -80,6 +85,8 @@ class Soak:
         self.compiled = torch.compile(self._add_one, backend=self._counting("aot_eager"))
         self.compiled_inductor = torch.compile(self._times_two) if inductor else None
         self.module = torch.nn.Linear(3, 3)
+        self.shared_graph = torch.fx.symbolic_trace(self._chain)  # whose code every thread writes again
+        self.shared_code = self.shared_graph.code
         # (name, action, weight, whether this torch has what it uses)
         menu = [
             ("symbolic_trace", self.symbolic_trace, 3, True),
@@ -92,6 +99,7 @@ class Soak:
             ("node meta", self.node_meta, 2, True),
             ("eager module", self.eager_module, 4, True),
             ("inductor call", self.inductor_call, 2, inductor),
+            ("graph code", self.graph_code, 2, True),
         ]
         self.menu = [
             (name, action, weight) for name, action, weight, present in menu if present and name in (actions or [name])
@@ -111,6 +119,12 @@ class Soak:
     @staticmethod
     def _times_two(x):
         return x * 2
+
+    @staticmethod
+    def _chain(x):
+        for _ in range(100):
+            x = x.relu() + x.sin()
+        return x
 
     def _counting(self, backend: str) -> Callable:
         """``backend`` whose compiled graphs count their runs: a call that did not run one ran eagerly."""
@@ -188,6 +202,13 @@ class Soak:
             fx_traceback.set_stack_trace([marker])
             seen = fx_traceback.get_current_meta().get("stack_trace")
         assert seen is not None and marker in seen, f"node meta of another thread: {seen!r}"
+
+    def graph_code(self, rng: random.Random) -> None:
+        graph = self.shared_graph
+        graph.recompile()
+        x = self.torch.full((2,), float(rng.randint(-3, 3)))
+        assert graph.code == self.shared_code, "graph code written wrong (names of another thread's writing)"
+        assert self.torch.equal(graph(x), self._chain(x)), "graph code gave a wrong result"
 
     def eager_module(self, rng: random.Random) -> None:
         torch = self.torch
