@@ -8,7 +8,8 @@ threads' first calls of one compiled layer's graph) name nodes in each other's n
 it found when it began, the other's function or none: a node gets one name where the code defines it and another
 where it uses it. The forward raises ``UnboundLocalError`` (or ``NameError``) at every call, for good. Every
 release 2.0 - 2.15 has it; seen in the trainer's tests on 2.13 (``cannot access local variable 'getitem'`` in
-AOTAutograd's forward graph), and 17 of 400 codegens of one graph by two threads came out wrong there.
+AOTAutograd's forward graph; 2 of 11 runs of that test with ``sys.setswitchinterval(1e-5)``, 0 of 10 with the
+fix), and 17 of 400 codegens of one graph by two threads came out wrong there.
 
 The naming moves to per-thread storage: ``python_code`` keeps (graph, naming function) in a ``threading.local``
 (``_torchfix_codegen_names``) for its duration instead of writing the nodes, and ``Node.__repr__`` uses it for
