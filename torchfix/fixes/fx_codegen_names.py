@@ -149,27 +149,31 @@ def one_graph_written_twice(timeout: float = 60.0) -> Result:
     )
     reached = {point: threading.Event() for point in ("A at x", "A at relu", "B at x", "B named relu")}
     goes = {point: threading.Event() for point in reached}
-    a_namespace: list[object] = []
+    a_own: list[object] = []  # the namespace A's first name goes to: its own
     code: dict[str, str] = {}
     errors: dict[str, str] = {}
 
-    def at(point: str, node: object, first_namespace_only: bool | None = None) -> Callable:
+    def at(point: str, node: object, where: Callable[[object], bool] = lambda _namespace: True) -> Callable:
+        """A stop that holds the thread at ``point`` when it names ``node`` in a namespace ``where`` accepts."""
+
         def stop(frame) -> bool | None:
-            if frame.f_locals["obj"] is not node:
+            if frame.f_locals["obj"] is not node or not where(frame.f_locals["self"]):
                 return False
-            namespace = frame.f_locals["self"]
-            if first_namespace_only is True:
-                a_namespace.append(namespace)
-            elif first_namespace_only is False and namespace is a_namespace[0]:
-                return False  # A names the node in its own namespace: the bad interleaving cannot happen
             return hold(reached[point], goes[point], timeout)(frame)
 
         return stop
 
+    def a_own_namespace(namespace: object) -> bool:
+        a_own.append(namespace)
+        return True
+
+    def another_namespace(namespace: object) -> bool:
+        return namespace is not a_own[0]  # with the fix A names relu in its own: the interleaving cannot happen
+
     def writer(name: str, stops: dict[int, Callable]) -> Callable[[], None]:
         return lambda: code.__setitem__(name, stopping(create_name, stops, lambda: graph.python_code("self").src))
 
-    a_stops = {enter: at("A at x", first, True), files: at("A at relu", second, False)}
+    a_stops = {enter: at("A at x", first, a_own_namespace), files: at("A at relu", second, another_namespace)}
     a = started_thread("A", writer("A", a_stops), reached["A at relu"], errors)
     reached["A at x"].wait(timeout)
     b = started_thread(
@@ -188,7 +192,9 @@ def one_graph_written_twice(timeout: float = 60.0) -> Result:
     goes["B named relu"].set()
     b.join(timeout)
     wrong = {
-        name: next(line.strip() for line, expected in zip(src.splitlines(), alone.splitlines()) if line != expected)
+        name: next(
+            (line.strip() for line, want in zip(src.splitlines(), alone.splitlines()) if line != want), src[-80:]
+        )
         for name, src in code.items()
         if src != alone
     }
