@@ -64,6 +64,14 @@ def definitions(source: str) -> dict[str, ast.FunctionDef]:
     return found
 
 
+def definition(source: str, relpath: str, name: str) -> ast.FunctionDef:
+    """The module-level function or method ``name`` (``f``, ``Class.f``) of the file ``relpath``; ShapeError if none."""
+    function = definitions(source).get(name)
+    if function is None:
+        raise ShapeError(f"{relpath}: no function {name}")
+    return function
+
+
 def nested_function(tree: ast.AST, path: list[str]) -> ast.FunctionDef:
     """The function reached by following ``path`` (names of nested defs) from ``tree``."""
     node = tree

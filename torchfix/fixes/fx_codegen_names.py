@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._selftest import Result, hold, line_of, started_thread, stopping
-from .._source import Edit, ShapeError, definitions, iter_code, replace_node, segment
+from .._source import Edit, ShapeError, definition, iter_code, replace_node, segment
 
 HELPER = "_torchfix_codegen_names"
 
@@ -53,27 +53,30 @@ class CodegenNames(threading.local):
         return self.node_repr if node.graph is self.graph else node._repr_fn  # type: ignore[attr-defined]
 
 
-def _method(source: str, relpath: str, name: str) -> ast.FunctionDef:
-    function = definitions(source).get(name)
-    if function is None:
-        raise ShapeError(f"{relpath}: no {name}")
-    return function
+class _UsesNames(SourcePatch):
+    """An edit of one file that refers to the fix's one ``CodegenNames`` (as ``_torchfix_codegen_names``)."""
 
-
-class _GraphNaming(SourcePatch):
-    """``Graph.python_code`` names the nodes through the calling thread's ``CodegenNames``."""
-
-    def __init__(self, names: CodegenNames) -> None:
-        super().__init__("torch.fx.graph", "torch/fx/graph.py")
-        self._names = names
+    def __init__(self, module: str, relpath: str, names: CodegenNames) -> None:
+        super().__init__(module, relpath)
+        self._names = names  # not a setting: the cached edits do not depend on it
 
     def describe(self) -> str:
         return super().describe() + f"; adds {HELPER}, the graph each thread writes code for and its names"
 
+    def helpers(self) -> dict[str, object]:
+        return {HELPER: self._names}
+
+
+class _GraphNaming(_UsesNames):
+    """``Graph.python_code`` names the nodes through the calling thread's ``CodegenNames``."""
+
+    def __init__(self, names: CodegenNames) -> None:
+        super().__init__("torch.fx.graph", "torch/fx/graph.py", names)
+
     def edits(self, source: str) -> list[Edit]:
         overrides = [
             item.context_expr
-            for node in ast.walk(_method(source, self.relpath, "Graph.python_code"))
+            for node in ast.walk(definition(source, self.relpath, "Graph.python_code"))
             if isinstance(node, ast.With)
             for item in node.items
             if segment(source, item.context_expr) == "override_node_repr(self)"
@@ -82,22 +85,15 @@ class _GraphNaming(SourcePatch):
             raise ShapeError(f"{self.relpath}: expected Graph.python_code to enter override_node_repr(self) once")
         return [replace_node(overrides[0], f"{HELPER}.naming(self, node_repr)")]
 
-    def helpers(self) -> dict[str, object]:
-        return {HELPER: self._names}
 
-
-class _NodeRepr(SourcePatch):
+class _NodeRepr(_UsesNames):
     """``Node.__repr__`` asks the calling thread's ``CodegenNames`` for its naming function."""
 
     def __init__(self, names: CodegenNames) -> None:
-        super().__init__("torch.fx.node", "torch/fx/node.py")
-        self._names = names
-
-    def describe(self) -> str:
-        return super().describe() + f"; adds {HELPER} (the same object as torch.fx.graph's)"
+        super().__init__("torch.fx.node", "torch/fx/node.py", names)
 
     def edits(self, source: str) -> list[Edit]:
-        function = _method(source, self.relpath, "Node.__repr__")
+        function = definition(source, self.relpath, "Node.__repr__")
         tests = [n.test for n in function.body if isinstance(n, ast.If) and segment(source, n.test) == "self._repr_fn"]
         calls = [
             n for n in ast.walk(function) if isinstance(n, ast.Call) and segment(source, n) == "self._repr_fn(self)"
@@ -108,9 +104,6 @@ class _NodeRepr(SourcePatch):
             replace_node(tests[0], f"(_repr_fn := {HELPER}.repr_fn(self))"),
             replace_node(calls[0], "_repr_fn(self)"),
         ]
-
-    def helpers(self) -> dict[str, object]:
-        return {HELPER: self._names}
 
 
 def _patches(_torch_version: str) -> list[SourcePatch]:

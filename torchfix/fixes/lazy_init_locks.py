@@ -31,20 +31,13 @@ from collections.abc import Callable
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._selftest import Result, hold, line_of, started_thread, stopping
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from .._source import Edit, ShapeError, definition, replace_node, segment
 
 PREDISPATCH = "torch._functorch.predispatch"
 LEAF = "torch._higher_order_ops.invoke_leaf_function"
 DECOMPOSITIONS_LOCK = "_torchfix_decompositions_lock"
 INDEX_LOCK = "_torchfix_makefx_index_lock"
 COUNTER = "_makefx_next_index"
-
-
-def _function(source: str, relpath: str, name: str) -> ast.FunctionDef:
-    function = definitions(source).get(name)
-    if function is None:
-        raise ShapeError(f"{relpath}: no function {name}")
-    return function
 
 
 class _DecompositionsLock(SourcePatch):
@@ -59,7 +52,7 @@ class _DecompositionsLock(SourcePatch):
     def edits(self, source: str) -> list[Edit]:
         made = [
             node.value
-            for node in ast.walk(_function(source, self.relpath, "lazy_load_decompositions"))
+            for node in ast.walk(definition(source, self.relpath, "lazy_load_decompositions"))
             if isinstance(node, ast.Assign)
             and [segment(source, target) for target in node.targets] == ["DECOMPOSITIONS_LOCK"]
             and segment(source, node.value) == "threading.Lock()"
@@ -82,7 +75,7 @@ class _IndexLock(SourcePatch):
         return super().describe() + f"; adds {INDEX_LOCK}, held while a module's index is taken from {COUNTER}"
 
     def edits(self, source: str) -> list[Edit]:
-        function = _function(source, self.relpath, "store_makefx_modules")
+        function = definition(source, self.relpath, "store_makefx_modules")
         uses = [node for node in ast.walk(function) if isinstance(node, ast.Name) and node.id == COUNTER]
         decrements = [
             node
