@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+from ._source import ShapeError
+
 NESTED_TRACE_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 
 
@@ -284,8 +286,6 @@ def in_thread(fn: Callable[[], object], timeout: float) -> object:
 
 def line_of(function: types.FunctionType, text: str) -> int:
     """The line of ``function``'s file on which its first statement starting with ``text`` is."""
-    from ._source import ShapeError
-
     lines, first = inspect.getsourcelines(function)
     found = next((first + i for i, line in enumerate(lines) if line.strip().startswith(text)), None)
     if found is None:
