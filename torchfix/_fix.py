@@ -143,6 +143,10 @@ class Fix:
     # warning (or, in strict mode, an error) in every program that compiles.
     hazard_is_cost: bool = False
     scenarios: tuple[Scenario, ...] = ()  # how the doctor and the tests show the hazard (see Scenario)
+    # What the generated table of fixes (docs/fixes.md) says of it, written here and nowhere else:
+    shared_state: str = ""  # the process state torch shares between threads, and who sets and reads it
+    symptom: str = ""  # what a user sees without the fix (measured: which torch, how often)
+    releases_note: str = ""  # why ``versions`` is what it is, e.g. 'before 2.3: "not needed"'
 
     def supports(self, torch_version: str) -> bool:
         return torch_version in self.versions
