@@ -339,3 +339,29 @@ seen["global_after_uninstall"] = vars(ef)["_in_optimized_module"]
 print(json.dumps(seen))
 """).json()
     assert ran == {"installer": [True, True], "new_thread": [True, False, False], "global_after_uninstall": True}
+
+
+def test_a_non_recursive_disable_called_from_compiled_code_runs_eagerly(disabled):
+    # torch.compiler.disable(f, recursive=False): Dynamo finds the wrapper by walking back over
+    # convert_frame.py's frames (2.13+), so a frame torchfix added there (compile-cache-recheck's helper, until
+    # 0.1.0) made it compile f instead: 0 where torch gives 2.
+    ran = run_ok(
+        """
+import json
+import torchfix, torch
+compiler = getattr(torch, "compiler", None)
+if compiler is None or "recursive" not in compiler.disable.__code__.co_varnames:
+    print(json.dumps(None)); raise SystemExit  # no non-recursive disable before 2.7
+def inner(x):
+    return x - 1 if compiler.is_compiling() else x + 1
+wrapped = compiler.disable(inner, recursive=False)
+@torch.compile(backend="eager")
+def outer(f, x):
+    return f(x)
+print(json.dumps(outer(wrapped, torch.ones(3)).tolist()))
+""",
+        disable="compile-cache-recheck" if disabled else None,
+    ).json()
+    if ran is None:
+        pytest.skip("torch.compiler.disable has no recursive= before 2.7")
+    assert ran == [2.0, 2.0, 2.0]

@@ -19,8 +19,10 @@ thread), so recompile limits trip no earlier. The guards are the ones the lookup
 unexpected in the re-check falls back to compiling, torch's own path. (Cache entries expose their backend
 only from torch 2.7, so entries made before ``import torchfix`` are not reused.)
 
-Edit: in ``CatchErrorsWrapper.__call__`` the compile under ``compile_lock`` calls
-``_compile_unless_cached(self, "<the backend attribute>")(...)`` instead of the backend. torch 2.6 - 2.15
+Edit: in ``CatchErrorsWrapper.__call__`` the backend call under ``compile_lock`` becomes
+``_compile_unless_cached.cached(self, "<backend attribute>", frame) or _compile_unless_cached.remember(self,
+"<backend attribute>", frame, <the backend call>)``: the backend is still called from torch's frame, as Dynamo's
+stack walks expect. torch 2.6 - 2.15
 (``GuardedCode`` holds a ``guard_manager`` from 2.6); before 2.6 the fix reports "unsupported" (without a warning: the
 copies cost time, they break nothing). Applied when
 ``torch._dynamo.convert_frame`` is first imported (importing Dynamo at ``import torchfix`` would slow
@@ -35,13 +37,13 @@ import importlib
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._selftest import Result, fresh_add_one
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from .._source import Edit, ShapeError, definitions, insert_at, replace_node, segment
 
 MODULE = "torch._dynamo.convert_frame"
 HELPER = "_compile_unless_cached"
@@ -60,30 +62,29 @@ class _Compiled:
 
 
 class CacheRecheck:
-    """``_compile_unless_cached``: wraps the compile that Dynamo's callback runs under ``compile_lock``."""
+    """``_compile_unless_cached``: the compile that Dynamo's callback runs under ``compile_lock``, preceded by a
+    cache lookup. The edit calls it as ``cached(...) or remember(..., <torch's own call>)``, so that no frame of
+    torchfix is on the stack while Dynamo compiles: Dynamo reads the stack there (the ``skip=1`` of tracebacks;
+    from 2.13, whether the caller is a non-recursive ``torch.compiler.disable`` wrapper, found by walking back
+    over ``convert_frame.py``'s frames). Dynamo's results are objects without ``__bool__`` or ``__len__``: the
+    ``or`` takes a reused one as it is."""
 
     def __init__(self) -> None:
         self.reused = 0  # compiles avoided in this process (read by tests and the doctor)
         self._compiled: list[_Compiled] = []  # guarded by compile_lock, like everything else here
 
-    def __call__(self, callback: object, backend_attr: str) -> Callable:
-        """The compile ``callback.<backend_attr>(frame, ...)``, preceded by a cache lookup."""
-        convert = getattr(callback, backend_attr)
-        backend = _backend(callback, backend_attr)
+    def cached(self, callback: object, backend_attr: str, frame: object) -> object | None:
+        """An earlier compile's result for ``frame`` and the callback's backend whose guards pass now, or None."""
+        self._compiled = [c for c in self._compiled if c.guard_manager() is not None]
+        return self._lookup(_backend(callback, backend_attr), frame)
 
-        def compile_unless_cached(frame: object, *args: object, **kwargs: object) -> object:
-            self._compiled = [c for c in self._compiled if c.guard_manager() is not None]
-            cached = self._lookup(backend, frame)
-            if cached is not None:
-                return cached
-            result = convert(frame, *args, **kwargs)
-            guarded = getattr(result, "guarded_code", result)  # 2.7+: a ConvertFrameReturn around it
-            if type(guarded).__name__ == "GuardedCode":
-                refs = weakref.ref(guarded), weakref.ref(guarded.guard_manager)
-                self._compiled.append(_Compiled(frame.f_code, backend, *refs))
-            return result
-
-        return compile_unless_cached
+    def remember(self, callback: object, backend_attr: str, frame: object, result: object) -> object:
+        """Note the compile that produced ``result`` (while its result lives) and return ``result``."""
+        guarded = getattr(result, "guarded_code", result)  # 2.7+: a ConvertFrameReturn around it
+        if type(guarded).__name__ == "GuardedCode":
+            refs = weakref.ref(guarded), weakref.ref(guarded.guard_manager)
+            self._compiled.append(_Compiled(frame.f_code, _backend(callback, backend_attr), *refs))
+        return result
 
     def _lookup(self, backend: object, frame: object) -> object | None:
         """A GuardedCode of an earlier compile of this frame for this backend whose guards pass now."""
@@ -151,7 +152,7 @@ class _RecheckPatch(SourcePatch):
         if call is None:
             raise ShapeError(f"{self.relpath}: no CatchErrorsWrapper.__call__")
         compiles = [
-            node.func
+            node
             for block in ast.walk(call)
             if isinstance(block, ast.With)
             and [segment(source, item.context_expr) for item in block.items]
@@ -161,11 +162,20 @@ class _RecheckPatch(SourcePatch):
             and isinstance(node.func, ast.Attribute)
             and node.func.attr in BACKEND_ATTRS
             and segment(source, node.func.value) == "self"
+            and node.args
         ]
         if len(compiles) != 1:
             raise ShapeError(f"{self.relpath}: expected one backend call under compile_lock, found {len(compiles)}")
-        attr = compiles[0].attr
-        return [replace_node(compiles[0], f"{HELPER}(self, {attr!r})")]
+        compile_call = compiles[0]
+        attr, frame = compile_call.func.attr, segment(source, compile_call.args[0])
+        # ``<call>`` becomes ``cached(...) or remember(..., <call>)``: torch's own call, in torch's own frame.
+        return [
+            replace_node(
+                compile_call.func,
+                f"{HELPER}.cached(self, {attr!r}, {frame}) or {HELPER}.remember(self, {attr!r}, {frame}, self.{attr}",
+            ),
+            insert_at(compile_call.end_lineno, compile_call.end_col_offset, ")"),
+        ]
 
     def helpers(self) -> dict[str, object]:
         return {HELPER: CacheRecheck()}
