@@ -171,6 +171,20 @@ def _torch_wheel(version: str, store: Path) -> Path | None:
     return next(iter(sorted(store.glob(pattern))), None)
 
 
+def docs(doc: str, readme: str, check: bool) -> int:
+    """Write docs/fixes.md and the README's list of fixes (or, with ``check``, say which would change)."""
+    from . import _fixes_doc
+
+    try:
+        differ = _fixes_doc.write(Path(doc), Path(readme) if readme else None, check)
+    except (OSError, ValueError) as exc:
+        print(f"python -m torchfix docs: {exc}", file=sys.stderr)
+        return 2
+    for path in differ:
+        print(f"{path}: {'out of date' if check else 'written'}")
+    return 1 if check and differ else 0
+
+
 def run(target: list[str]) -> int:
     """Run a script (``run path.py args``) or module (``run -m name args``) with torchfix installed."""
     if not target:
@@ -218,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     patches_parser.add_argument("directory", help="holds one folder per release, named by its version")
     patches_parser.add_argument("--release", action="append", default=[], help="add this release (repeatable)")
     patches_parser.add_argument("--wheels", help="where the wheels are kept (default: DIRECTORY/.wheels)")
+    docs_parser = commands.add_parser(
+        "docs", help="write the table of fixes (docs/fixes.md) and the README's list from the fixes' declarations"
+    )
+    docs_parser.add_argument("--doc", default="docs/fixes.md", help="the table's file (default: docs/fixes.md)")
+    docs_parser.add_argument("--readme", default="README.md", help="the README whose list to rewrite ('' for none)")
+    docs_parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file would change")
     run_parser = commands.add_parser("run", help="run a script or -m module with torchfix loaded")
     run_parser.add_argument("target", nargs=argparse.REMAINDER)
     stress_parser = commands.add_parser(
@@ -233,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         return diff(args.source_root, args.torch_version, args.output_dir)
     if args.command == "patches":
         return patches(args.directory, args.release, args.wheels)
+    if args.command == "docs":
+        return docs(args.doc, args.readme, args.check)
     if args.command == "run":
         return run(args.target)
     if args.command == "pth":

@@ -132,7 +132,7 @@ class Fix:
     probe: Callable[[], str | None]
     patches: Callable[[str], list[Patch]]  # torch version -> fresh patch objects (they hold their undo state)
     # Where it stands among the fixes (``fixes.ALL``): they apply in increasing order (ties by name) and revert
-    # in reverse, and status(), the doctor and the README's table list them so. No fix needs another applied
+    # in reverse, and status(), the doctor and the table of fixes (docs/fixes.md) list them so. No fix needs another applied
     # first (edits of one file compose in any order), so this is only its place in the list: tens, leaving
     # room for a new fix to go between two.
     order: int
@@ -147,6 +147,7 @@ class Fix:
     shared_state: str = ""  # the process state torch shares between threads, and who sets and reads it
     symptom: str = ""  # what a user sees without the fix (measured: which torch, how often)
     releases_note: str = ""  # why ``versions`` is what it is, e.g. 'before 2.3: "not needed"'
+    caveats: str = ""  # what the fix changes beyond removing the hazard, that a user may notice
 
     def supports(self, torch_version: str) -> bool:
         return torch_version in self.versions

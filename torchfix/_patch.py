@@ -366,10 +366,12 @@ def moved_globals_fix(
     seen_in_backward: bool = True,
     trigger: str = "torch",
     scenarios: tuple[Scenario, ...] = (),
+    **facts: str,
 ) -> Fix:
     """A fix that moves globals of one torch module to per-thread storage (:class:`ThreadLocalGlobals`; ``optional``,
     ``own`` and ``seen_in_backward`` are its), and does nothing else: from torch ``first`` (before it, the first of
-    ``moved`` does not exist) through the newest checked release. ``order`` and the rest are :class:`Fix`'s."""
+    ``moved`` does not exist) through the newest checked release. ``order``, ``facts`` (``symptom`` and the other
+    texts of the table of fixes) and the rest are :class:`Fix`'s."""
     probed = next(iter(moved))
     return Fix(
         name=name,
@@ -390,6 +392,7 @@ def moved_globals_fix(
         order=order,
         trigger=trigger,
         scenarios=scenarios,
+        **facts,
     )
 
 

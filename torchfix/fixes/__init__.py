@@ -12,13 +12,16 @@ import pkgutil
 from .._fix import Fix
 
 
-def _discover() -> list[Fix]:
-    found = [
-        importlib.import_module(f"{__name__}.{module.name}").FIX
+def _discover() -> dict[str, Fix]:
+    """Each fix module's ``FIX``, keyed by the module's name."""
+    found = {
+        f"{__name__}.{module.name}": importlib.import_module(f"{__name__}.{module.name}").FIX
         for module in pkgutil.iter_modules(__path__)
         if not module.name.startswith("_")
-    ]
-    return sorted(found, key=lambda fix: (fix.order, fix.name))
+    }
+    return dict(sorted(found.items(), key=lambda item: (item[1].order, item[1].name)))
 
 
-ALL: list[Fix] = _discover()
+_BY_MODULE = _discover()
+ALL: list[Fix] = list(_BY_MODULE.values())
+MODULE_OF: dict[str, str] = {fix.name: module for module, fix in _BY_MODULE.items()}  # "fx-tracing-flag" -> its module

@@ -291,4 +291,22 @@ FIX = Fix(
             stage=1,
         ),
     ),
+    shared_state=(
+        "`torch.compiler._patch_engine_backward()` and `_patch_autograd_grad()`, which non-strict tracers "
+        "(torchtitan) enter, replace `torch.autograd._engine_run_backward` (what `backward()` calls, both names) "
+        "and `torch.autograd.grad` for the whole process while they last"
+    ),
+    symptom=(
+        "while one thread traces inside them, every other thread's `loss.backward()` runs its wrapper: silently "
+        "without torchfix, and with `compiler-flags` (the non-strict flag per thread) it raises `AssertionError: "
+        "_patch_engine_backward() must be used under _non_strict_tracing_context()`; two threads inside them at "
+        "once leave the wrapper in place for good. The patches now act in the thread that makes them "
+        "(`trace-patch-isolation`'s per-thread dispatcher)"
+    ),
+    releases_note='`_patch_engine_backward` from 2.13; before 2.12: "not needed"',
+    caveats=(
+        "A backward that the patching thread starts but autograd runs on another thread (a reentrant backward on "
+        "a device thread) runs torch's own function there, without the wrapper's stack-trace hooks (debug "
+        "metadata only)."
+    ),
 )

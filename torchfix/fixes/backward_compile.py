@@ -122,4 +122,18 @@ FIX = Fix(
     probe=_probe,
     patches=_patches,
     trigger=AOT,
+    shared_state=(
+        "H5: a lazy backward compile on autograd's device thread waits for `compile_lock`, held by another "
+        "thread's forward compile that waits for that device thread"
+    ),
+    symptom="threads sharing a GPU hang with no error at their first training step",
+    releases_note=(
+        "torch's switch from 2.9; on 2.6 – 2.8 its eager path for dynamic shapes, taken for every graph; before "
+        '2.6 the backward compiler takes no lock: "not needed"'
+    ),
+    caveats=(
+        "It compiles a training graph's backward together with its forward (torch's own "
+        "`force_non_lazy_backward_lowering`, made the default for every thread): backward graphs are compiled up "
+        "front, also those never used."
+    ),
 )

@@ -88,4 +88,14 @@ FIX = Fix(
             cached_ops_elsewhere, releases("2.1"), needs="torch._ops.get_cached_ops (2.1+)", shows="Set changed size"
         ),
     ),
+    shared_state=(
+        "`torch._ops.get_cached_ops()` returns the live process-wide set `cached_ops`, which every operator "
+        "overload joins when its dispatch is first cached (in any thread) and every pre-dispatch mode push "
+        "(non-strict `torch.export.export`, `make_fx(pre_dispatch=True)`) iterates"
+    ),
+    symptom=(
+        "an export raises `RuntimeError: Set changed size during iteration` when another thread calls an overload"
+        " for the first time meanwhile (the 10-minute soak on 2.13: once); `get_cached_ops()` now returns a copy"
+    ),
+    releases_note='no such set before 2.1: "not needed"',
 )

@@ -88,4 +88,21 @@ FIX = moved_globals_fix(
     optional=frozenset({"_checkpoint_debug_enabled"}),
     trigger=MODULE,
     scenarios=(Scenario(checkpoint_flags_elsewhere, releases("2.1"), shows="runs of the function's tail: 2"),),
+    shared_state=(
+        "`torch.utils.checkpoint.set_checkpoint_early_stop()` and `set_checkpoint_debug_enabled()` keep their "
+        "setting in process globals, `_enable_checkpoint_early_stop` and `_checkpoint_debug_enabled` (2.2+), "
+        "which every non-reentrant checkpoint reads"
+    ),
+    symptom=(
+        "while one thread is inside `set_checkpoint_early_stop(False)`, every thread's checkpoints recompute "
+        "their whole function in backward (more time, same results); inside `set_checkpoint_debug_enabled(True)`,"
+        " every thread's checkpoints run in debug mode, and one with a `context_fn` raises `ValueError: "
+        "debug=True is incompatible with non-default context_fn` (torch 2.10, 2.13, 2.15)"
+    ),
+    releases_note='before 2.1: "not needed"',
+    caveats=(
+        "`checkpoint-flags` changes what a setting reaches: `set_checkpoint_early_stop(False)` or "
+        "`set_checkpoint_debug_enabled(True)` entered in one thread no longer applies to checkpoints that other "
+        "threads run meanwhile; enter it in each thread that needs it."
+    ),
 )

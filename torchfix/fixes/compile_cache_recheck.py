@@ -313,4 +313,19 @@ FIX = Fix(
         # uncompiled); 2.10 - 2.11 can crash (SIGSEGV) duplicating one.
         Scenario(duplicate_compiles, releases("2.6"), args=(3,), needs_fix=True, crashes=releases("2.10", "2.11")),
     ),
+    shared_state=(
+        "cold start: threads that miss Dynamo's cache together wait for `compile_lock`, then each compiles the "
+        "same frame again"
+    ),
+    symptom=(
+        "N threads starting together compile every graph N times (on an H200, 3 trainer threads compiled 6 graphs"
+        " instead of 2); on torch 2.10 – 2.11 the duplicate compiles can crash the process (SIGSEGV)"
+    ),
+    releases_note='before 2.6: "unsupported", without a warning, since it costs time but breaks nothing',
+    caveats=(
+        "It looks the frame up in Dynamo's cache once more after `compile_lock` is taken (including compiles that"
+        " returned but whose entry Dynamo has not installed yet), with the guards the lookup itself runs; a "
+        "thread that waited for another's compile then reuses it. It applies when Dynamo is first imported, since"
+        " `import torch` does not load Dynamo."
+    ),
 )

@@ -76,4 +76,13 @@ FIX = Fix(
     ],
     trigger=MODULE,
     scenarios=(Scenario(stance_elsewhere, releases("2.6"), needs="torch.compiler.set_stance (2.6+)"),),
+    shared_state=(
+        "`torch.compiler.set_stance` keeps the stance in one global, `torch._dynamo.eval_frame._stance`, read by "
+        "every compiled call"
+    ),
+    symptom=(
+        'while one thread is inside `with torch.compiler.set_stance("force_eager")` (an evaluation pass), every '
+        "thread's compiled calls run eagerly, silently"
+    ),
+    releases_note='no `set_stance` before 2.6: "not needed"',
 )

@@ -159,4 +159,19 @@ FIX = Fix(
             crashes=releases("2.10", "2.11"),
         ),
     ),
+    shared_state=(
+        "`torch._dynamo.compiled_autograd.in_compiled_autograd_region`, True while a compiled-autograd graph runs"
+        " in the thread that called `backward()`, is a process global that every thread's Dynamo and AOTAutograd "
+        "compile reads"
+    ),
+    symptom=(
+        "while one thread runs a compiled-autograd graph, other threads compile their graphs as compiled "
+        "autograd's (every parameter static, no guard on saved-tensor hooks, saved-tensor hooks left out)"
+    ),
+    releases_note='before 2.5: "not needed"',
+    caveats=(
+        "It empties compiled autograd's cache of compiled graphs when it is applied and when it is removed (each "
+        "cached graph keeps a closure made by the file it patches), so graphs compiled before are compiled again "
+        "at their next backward."
+    ),
 )

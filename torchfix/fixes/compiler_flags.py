@@ -101,4 +101,13 @@ FIX = Fix(
     probe=_probe,
     patches=_patches,
     scenarios=(Scenario(h3_is_compiling_elsewhere, releases("2.13"), needs="torch.compiler.is_compiling (2.3+)"),),
+    shared_state=(
+        "H3: `torch.compiler._is_compiling_flag` / `_is_exporting_flag` / `_is_non_strict_tracing_flag` are "
+        "process globals; from 2.13 every compile sets the first one"
+    ),
+    symptom=(
+        "while one thread compiles or exports, `torch.compiler.is_compiling()` is `True` in every thread, and "
+        "eager code there takes compile-only paths"
+    ),
+    releases_note='no such flags before 2.3: "not needed"',
 )

@@ -215,4 +215,23 @@ FIX = Fix(
             shows="one capture stream for both threads",
         ),
     ),
+    shared_state=(
+        "`torch.cuda.graph` without `stream=` (what `torch.cuda.make_graphed_callables` and most hand-written "
+        "captures use) captures on one side stream for the process, `torch.cuda.graph.default_capture_stream`, "
+        "made on whichever device was current at its first use; and nothing orders captures, whose `__enter__` "
+        "synchronises the device"
+    ),
+    symptom=(
+        "two threads capturing at once capture on one stream: on the H200 (torch 2.11) the second capture raised "
+        "`operation not permitted when stream is capturing` and the first `cudaErrorStreamCaptureInvalidated`; "
+        "now each thread captures on a side stream of its own (per device) and captures through "
+        "`torch.cuda.graph` (CUDA graph trees' included) take one lock, one at a time"
+    ),
+    caveats=(
+        "`cuda-graph-capture` orders captures, not CUDA: a thread's plain CUDA work (an allocation, a "
+        'synchronize) while another thread\'s capture in the default `capture_error_mode="global"` is under way '
+        "still fails or invalidates that capture (CUDA's rule); threads that capture while others work should "
+        'capture with `capture_error_mode="thread_local"`, as CUDA graph trees do. A capture whose `__enter__` '
+        "raised gives the lock back when its `torch.cuda.graph` object is collected."
+    ),
 )

@@ -188,4 +188,12 @@ FIX = Fix(
     ],
     trigger=TREES,
     scenarios=(Scenario(h7_cudagraph_step_counters, releases("2.1"), needs="CUDA graph trees (2.1+)"),),
+    shared_state=(
+        "H7: `MarkStepBox.mark_step_counter` and `GenerationTracker.generation`, which the trees read to decide "
+        "when earlier outputs may be overwritten, are process globals"
+    ),
+    symptom=(
+        "one thread's `cudagraph_mark_step_begin()` (or compiled call) starts a new generation in every thread's "
+        "trees, which overwrite outputs their own thread still needs"
+    ),
 )

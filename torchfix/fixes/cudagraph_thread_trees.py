@@ -254,4 +254,34 @@ FIX = Fix(
             needs="CUDA graph trees (2.1+), not yet imported",
         ),
     ),
+    shared_state=(
+        'H7: CUDA graph trees (`mode="reduce-overhead"`) keep their containers in a `threading.local` set up only'
+        " in the thread that imported `torch._inductor.cudagraph_trees` (≤ 2.12), nothing serialises graph "
+        "captures (≤ 2.12), and a thread's containers stay in torch's C++ thread-local stash after the thread "
+        "ends (every release)"
+    ),
+    symptom=(
+        "every other thread's first CUDA graph raises `AssertionError` in `cudagraph_trees.get_obj`; threads' "
+        "captures break each other; a thread's trees are torn down by C++ thread-exit code after Python let the "
+        'thread go, which can abort the process at exit ("terminate called without an active exception")'
+    ),
+    releases_note="on 2.13+, which fixed the first two upstream, only the third; 2.0 has no trees",
+    caveats=(
+        "The three `cudagraph-*` fixes make the trees per thread the way autograd needs: a thread's containers, "
+        "its callable per graph and its step counters are reached through the C++ thread-local stash that "
+        "autograd's device thread inherits from the thread whose backward it runs, so each thread's backward "
+        "replays in that thread's own tree. `cudagraph-thread-trees` backports torch 2.13's lazy per-thread "
+        "containers and `graph_capture_lock`; the other two are beyond what upstream has in 2.15. What a thread "
+        "puts in that stash (its containers, its step counters) is taken out again when the thread ends, while "
+        "the thread still runs Python: C++ destroys the stash only when the OS thread exits, after `join()` has "
+        "returned, and torch's objects then die in a C++ destructor that takes the GIL for a thread Python has "
+        "already let go (upstream added `_remove_obj_from_tls`, 2.13+, after a deadlock of this kind, "
+        "pytorch/pytorch#182083; before 2.13 the entries are overwritten with `None`). That includes the "
+        "containers torch stashes at import in the importing thread, whichever thread first compiles a "
+        "`reduce-overhead` graph; up to torch 2.12 that entry also holds no reference of its own yet drops one "
+        "when it goes, so torchfix gives it one. On torch 2.13 (CPU), a process whose one extra thread made its "
+        'trees and was joined aborted at exit ("terminate called without an active exception") in 3 of 78 runs '
+        "without this (2 of 6, 1 of 12 and 0 of 60 in three batches, the first two on a busier machine), and in 0"
+        " of 72 with it; the self-test shows the trees still in the stash at the thread's end, every run."
+    ),
 )

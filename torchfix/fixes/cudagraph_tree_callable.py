@@ -122,4 +122,12 @@ FIX = Fix(
     probe=_probe,
     patches=lambda _torch_version: [_CallablePerTree()],
     trigger=MODULE,
+    shared_state=(
+        "H7: `compile_fx.cudagraphify` keeps a graph's CUDA-graph callable for every thread (≤ 2.12) or per "
+        "*calling* thread (2.13+); backward graphs run on autograd's device thread, one for all threads"
+    ),
+    symptom=(
+        '"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run": threads replay '
+        "each other's graphs, and from 2.13 every thread's backward lands in the first thread's tree"
+    ),
 )

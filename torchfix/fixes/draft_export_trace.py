@@ -149,4 +149,16 @@ FIX = Fix(
             shows="False before, True after",
         ),
     ),
+    shared_state=(
+        "`torch.export.draft_export` turns on torch's detailed structured trace "
+        "(`torch._logging._internal.GET_DTRACE_STRUCTURED`, a process-wide switch) while it captures, saving and "
+        "restoring what it found"
+    ),
+    symptom=(
+        "two draft exports in two threads that overlap, the first ending first, left the switch on for good (the "
+        "later one had saved the earlier's True): every later symbolic op pays the provenance bookkeeping; now "
+        "the captures under way are counted, the last restores the switch (the switch and the capture's log "
+        "handler stay process-wide, by torch's design)"
+    ),
+    releases_note='no draft export before 2.6: "not needed"',
 )

@@ -153,4 +153,19 @@ FIX = moved_globals_fix(
             shows="every setting this torch has crossed threads",
         ),
     ),
+    shared_state=(
+        "`torch._dynamo.error_on_graph_break()` (and every call of a function compiled with "
+        "`error_on_graph_break=`) and, from 2.14, `torch._dynamo.override_cudagraphs()` keep their setting in "
+        "process globals of `torch._dynamo.utils` (`_error_on_graph_break`, `_cudagraph_override`), which every "
+        "thread's compile reads"
+    ),
+    symptom=(
+        "while one thread is inside `with torch._dynamo.error_on_graph_break(True)`, another thread's compile of "
+        "a function with a graph break raises `Unsupported` instead of splitting the graph (torch 2.13: every run"
+        " of the self-test); one thread's `error_on_graph_break(False)` lets graph breaks through, silently, in a"
+        " thread inside `error_on_graph_break(True)`; while one thread is inside `override_cudagraphs(fwd=False, "
+        "bwd=False)`, the graphs other threads compile get that annotation (CUDA graphs off, or forced on, in "
+        "their code, for good: torch 2.14.1)"
+    ),
+    releases_note='no such settings before 2.9: "not needed"; `override_cudagraphs` acts at run time from 2.14',
 )

@@ -284,4 +284,21 @@ FIX = Fix(
             shows="in every part this torch has",
         ),
     ),
+    shared_state=(
+        "a Dynamo trace keeps state in module globals: `torch._dynamo.convert_frame.initial_global_state` (the "
+        "grad mode and other global state the compile started with, which the guards take), "
+        "`trace_rules._force_inline_flag` (skip rules off while Dynamo inlines a helper; 2.11+) and "
+        "`variables/builder.py`'s memos of the parsed `torch.compiler.config` source lists; from 2.9, "
+        "`aot_compile` and strict `torch.export` trace without `compile_lock`, beside other threads' compiles"
+    ),
+    symptom=(
+        "an `aot_compile` made while another thread compiles under `torch.no_grad()` raises `AssertionError: "
+        "Guard failed on the same frame it was created ... GLOBAL_STATE changed: grad_mode` (torch 2.13, 2.14.1);"
+        " while one trace is inside `_force_inline()`, other threads' traces ignore the skip rules, and two that "
+        "overlap can leave them off for the process; a thread can take another's dynamic, unbacked or static "
+        "source lists (2.12+, where the config is per thread)"
+    ),
+    releases_note=(
+        'before 2.9 every Dynamo trace holds `compile_lock`, so no two use this state at once: "not needed"'
+    ),
 )

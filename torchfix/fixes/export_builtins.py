@@ -111,4 +111,14 @@ FIX = Fix(
             stage=3,
         ),
     ),
+    shared_state=(
+        "non-strict `torch.export.export` replaces `builtins.max`, `builtins.min` and `math.pow` for the process "
+        "while it traces (`torch._export.non_strict_utils._override_builtin_ops`) and restores what it found"
+    ),
+    symptom=(
+        "two exports that overlap leave one of torch's wrappers around `max` for good, one more per overlap, "
+        "until `max()` anywhere raises `RecursionError` (the soak on 2.13: after about 9 minutes, in "
+        "`Thread.join`)"
+    ),
+    releases_note='before 2.8: "not needed"',
 )

@@ -88,4 +88,13 @@ FIX = moved_globals_fix(
     order=90,
     trigger=MODULE,
     scenarios=(Scenario(export_load_elsewhere, releases("2.3"), needs="the export deserializer global (2.3+)"),),
+    shared_state=(
+        "`torch._export.serde.serialize._CURRENT_DESERIALIZER`, the deserializer a `torch.export.load` has at "
+        "work, is a process global (upstream #195099, #195100)"
+    ),
+    symptom=(
+        "`torch.export.load` in two threads at once: `AssertionError: _CURRENT_DESERIALIZER is already set` "
+        "(torch 2.13: 20 of 40 loads of two threads)"
+    ),
+    releases_note='before 2.3: "not needed"',
 )

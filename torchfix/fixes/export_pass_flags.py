@@ -119,4 +119,21 @@ FIX = Fix(
             shows="runs with the interpreter: False",
         ),
     ),
+    shared_state=(
+        "export passes keep per-call state in process globals: `torch.export.unflatten.RUN_WITH_INTERPRETER` "
+        "(cleared by `_disable_interpreter()`), `torch._export.utils._DISABLE_ATEN_TO_ASSERTION_PASS` (set by "
+        "`_disable_aten_to_metadata_assertions()`, 2.8+) and the fx nodes the TorchScript converter's "
+        "quantization pass carries between ops (`_INPUT_Q_DTYPE`, `_SCALE`, `_ZERO_POINT`)"
+    ),
+    symptom=(
+        "while one thread is inside `_disable_interpreter()` or `_disable_aten_to_metadata_assertions()`, every "
+        "thread's unflattened modules run without the interpreter and its exports lose their "
+        "`_assert_tensor_metadata` checks, silently (torch 2.10, 2.13, 2.15); two TorchScript conversions at once"
+        " mix their graphs' nodes"
+    ),
+    releases_note='before 2.5: "not needed"',
+    caveats=(
+        "`export-pass-flags` applies when `torch.export._trace` is first imported (every export imports it): in a"
+        " program that only loads and unflattens exported programs, `_disable_interpreter()` stays process-wide."
+    ),
 )

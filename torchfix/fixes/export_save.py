@@ -134,4 +134,15 @@ FIX = Fix(
             shows="Refusing to stomp on existing FakeTensor reducer",
         ),
     ),
+    shared_state=(
+        "`torch._export.serde.serialize.serialize_torch_artifact` (every `torch.export.save`) registers a pickle "
+        "reducer for `FakeTensor` in the process-wide `copyreg.dispatch_table` while it pickles, and refuses to "
+        "start while one is registered"
+    ),
+    symptom=(
+        "`torch.export.save` in two threads at once: `AssertionError: Refusing to stomp on existing FakeTensor "
+        "reducer` (the soak on torch 2.12: 180 failed saves in 10 minutes); the saves now pickle one part at a "
+        "time, under one lock"
+    ),
+    releases_note='before 2.3: "not needed"',
 )

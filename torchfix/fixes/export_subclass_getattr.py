@@ -124,4 +124,22 @@ FIX = Fix(
             stage=3,
         ),
     ),
+    shared_state=(
+        "non-strict `torch.export.export` of a module whose inputs hold tensor subclasses (torchao's quantized "
+        "weights, `TwoTensor`) replaces each subclass's `__getattribute__` for the process while it traces "
+        "(`override_getattribute_for_subclasses`) and puts back what it found"
+    ),
+    symptom=(
+        "every thread's attribute reads of that subclass run the exporter's wrapper in Python while it traces; "
+        "two exports of one subclass type that overlap leave an exporter's wrapper on the class for good (torch "
+        "2.10, 2.13, 2.15: every later attribute read of the subclass goes through it). Now per thread, through "
+        "the same dispatcher"
+    ),
+    releases_note='before 2.7: "not needed"',
+    caveats=(
+        "While any thread holds such a patch, the class slot holds the dispatcher, a Python function: every "
+        "attribute read of that subclass in every thread goes through it, as it went through torch's wrapper "
+        "before; the class's own method comes back once no thread holds the patch, where torch left an explicit "
+        "copy in the class."
+    ),
 )

@@ -62,4 +62,15 @@ FIX = moved_globals_fix(
     optional=frozenset({"_EXPORT_MODULE_HIERARCHY"}),
     trigger=MODULE,
     scenarios=(Scenario(export_trace_elsewhere, releases("2.4"), needs="non-strict export", stage=3),),
+    shared_state=(
+        "`torch.export._trace._EXPORT_MODULE_HIERARCHY` (the exported module's submodules, from which the "
+        "program's module call graph is built; 2.4+) and `_EXPORT_FLAGS` (2.3+) are process globals that every "
+        "`torch.export.export` sets at its start and clears at its end"
+    ),
+    symptom=(
+        "`torch.export.export` in two threads at once: when one finishes, the other raises `AssertionError: "
+        "_EXPORT_MODULE_HIERARCHY must not be None` (torch 2.13: 3 of 3 runs of the self-test), or builds its "
+        "call graph from the other module"
+    ),
+    releases_note='before 2.3: "not needed"',
 )

@@ -117,4 +117,14 @@ FIX = Fix(
             crashes=releases("2.10", "2.11"),
         ),
     ),
+    shared_state=(
+        "`torch._library.fake_impl.global_ctx_getter` (`abstract_impl` before 2.5), what "
+        "`torch.library.get_ctx()` returns inside a custom operator's fake implementation, is a process global "
+        "set and restored around each fake implementation"
+    ),
+    symptom=(
+        "while one thread runs a fake implementation (a compile or an export), `get_ctx()` in another returns the"
+        " first thread's context, so its data-dependent sizes land in the other trace"
+    ),
+    releases_note='before 2.2: "not needed"',
 )

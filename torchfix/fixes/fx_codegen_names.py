@@ -205,4 +205,17 @@ FIX = Fix(
     probe=_probe,
     patches=_patches,
     scenarios=(Scenario(one_graph_written_twice, releases("2.0"), shows="wrote `"),),
+    shared_state=(
+        "`torch.fx.Graph.python_code` (every `GraphModule.recompile`, and the first call of a `_LazyGraphModule`:"
+        " every graph Dynamo and AOTAutograd make) points each node's `_repr_fn` at its own namespace while it "
+        "writes the graph's code, then puts back what it found; the nodes are shared between threads"
+    ),
+    symptom=(
+        "two threads writing one graph's code at once (the trainer's two drafter threads both write the code of "
+        "the compiled layer's graphs) name its nodes in each other's namespace: the forward defines a node under "
+        "one name and uses another, and raises `UnboundLocalError: cannot access local variable 'getitem'` at "
+        "every call (a CI run of the trainer's tests, torch 2.13; the same smoke run with "
+        "`sys.setswitchinterval(1e-5)`: 2 of 11 runs so without the fix, 0 of 10 with it); 11 – 17 of 400 "
+        "codegens of one graph by two threads came out wrong. The naming is now the writing thread's"
+    ),
 )

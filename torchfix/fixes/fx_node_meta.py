@@ -133,4 +133,16 @@ FIX = Fix(
             stage=2,
         ),
     ),
+    shared_state=(
+        "`torch.fx.traceback`'s `current_meta`, `should_preserve_node_meta` (and from 2.10 – 2.11 "
+        "`current_replay_node`, `_should_preserve_node_meta`), the metadata FX copies into every new node, are "
+        "process globals (upstream #184917)"
+    ),
+    symptom=(
+        "while one thread traces or compiles with node metadata, other threads' graphs get its stack traces, "
+        "annotations and sequence numbers (`has_preserved_node_meta()` is `True` everywhere); from 2.13, flex "
+        "attention's autograd forward, which imports `current_meta` by name, records the sparsity hint of the "
+        'dict bound at import, not the calling thread\'s `annotate({"sparsity_hint": ...})` (stale even in one '
+        "thread after any compile: 0.0 instead of 0.5, torch 2.13, 2.15); it now reads it through the module"
+    ),
 )

@@ -266,4 +266,18 @@ FIX = Fix(
         Scenario(h1_nested_trace_error, releases("2.0", "2.13"), args=("make_fx",)),
         Scenario(h2_stuck_flag, releases("2.2", "2.13"), needs="torch._dynamo's _set_compilation_env (2.2+)", stage=1),
     ),
+    shared_state=(
+        "H1, H2: `torch.fx._symbolic_trace._is_fx_tracing_flag` is a process global, set by every FX trace "
+        "(symbolic_trace, make_fx, AOTAutograd) and checked by every compiled call"
+    ),
+    symptom=(
+        "other threads' compiled calls raise the nested-trace `RuntimeError` (or, with "
+        "`error_on_nested_fx_trace=False`, run uncompiled); `_set_compilation_env` (eager `flex_attention`, "
+        "`cond`, `while_loop`, …) interleaved with a trace leaves the flag stuck `True` for good"
+    ),
+    releases_note='2.14 made it per-thread upstream: "not needed"',
+    caveats=(
+        "It also backports what torch 2.14 does beyond the flag: non-reentrant checkpoint recompute (which can "
+        "run on autograd's device thread) re-applies the flag's value from the forward."
+    ),
 )

@@ -210,4 +210,25 @@ FIX = Fix(
             stage=1,  # without the fix, it can leave every later GraphModule's forward skipped, if it fails midway
         ),
     ),
+    shared_state=(
+        "every Dynamo compile (and, from 2.9, every unlocked `aot_compile` and strict `torch.export` trace) "
+        "replaces `torch.fx.graph_module._forward_from_src` for the process while it runs "
+        "(`convert_frame.preserve_global_state`) with a version that marks each new forward for Dynamo to skip, "
+        "and sets `torch.fx._lazy_graph_module._use_lazy_graph_module_flag`, a process global (2.3+)"
+    ),
+    symptom=(
+        "a GraphModule another thread builds or first calls meanwhile (`symbolic_trace`, `make_fx`) gets a "
+        "forward that `torch.compile` then runs eagerly, for good and silently, and is a `_LazyGraphModule` "
+        "(which `torch.jit.script` refuses) (torch 2.13, 2.15; 2.2 without the lazy part); a compile and an "
+        "`aot_compile` that overlap leave the skipping function in place, so every GraphModule built after that "
+        "runs eagerly under `torch.compile` (torch 2.13, 2.15). The patch now acts in the compiling thread only "
+        "(`trace-patch-isolation`'s per-thread dispatcher) and the flags are per thread"
+    ),
+    releases_note="the flag from 2.3",
+    caveats=(
+        "While any thread compiles, `torch.fx.graph_module._forward_from_src` holds the dispatcher (torch's "
+        "function for every thread but the compiling one). On torch 2.0 – 2.1 a `torch.compile` made before the "
+        "fix applied (or after `uninstall()`) keeps torch's code, which still patches that name for the whole "
+        "process."
+    ),
 )

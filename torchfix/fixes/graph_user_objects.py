@@ -176,4 +176,28 @@ FIX = Fix(
             shows="the other thread's",
         ),
     ),
+    shared_state=(
+        "`torch._dynamo.graph_bytecode_inputs` keeps the user objects a compiled graph looks up by index (CUDA "
+        "streams and events, `leaf_function` modules, a memory pool) in process globals: every call of such a "
+        "graph first stores its caller's objects there, every compile clears them"
+    ),
+    symptom=(
+        "a graph running in one thread looks up what another thread's call stored since: its `leaf_function` runs"
+        " the other thread's module, silently (torch 2.13, 2.14.1, 2.15: every run of the self-test), its stream "
+        "ops use the other thread's streams; after another thread's compile, `AssertionError: Index not "
+        "registered`"
+    ),
+    releases_note='before 2.10 no such table: "not needed"',
+    caveats=(
+        "`graph-user-objects` gives each thread its own tables: a graph another thread compiled works in a thread"
+        " that calls it, since every call stores its own objects first. A backward that autograd runs on its CUDA"
+        " device thread sees the tables of the thread whose backward it is from torch 2.13; on 2.10 – 2.12 it "
+        "sees empty ones, so a compiled backward that syncs streams the forward used (`torch.cuda.stream` inside "
+        'the compiled code) raises "Index not registered" there, where torch alone reads what the last forward '
+        "stored. On 2.15 AOTAutograd's snapshot of a forward's objects for its backward now reads the live table "
+        "(torch's own by-name copy of it goes stale once a call has stored objects). On a machine with an "
+        "accelerator (2.12+) every compiled call stores the current stream, so there each makes two Python calls "
+        "more (reads of the per-thread table; 2.15: one), and from 2.14 every compiled training forward one more "
+        "(the snapshot)."
+    ),
 )

@@ -124,4 +124,15 @@ FIX = Fix(
     patches=lambda _torch_version: [_ShareCachedBackends()],
     trigger=MODULE,
     scenarios=(Scenario(guarded_backends_elsewhere, releases("2.2", "2.2"), shows="KeyError"),),
+    shared_state=(
+        "Dynamo 2.2 keeps the backends its guards look up "
+        "(`torch._dynamo.eval_frame.guarded_backend_cache.cached_backends`) in a `threading.local`; 2.3 made it "
+        "one module dict"
+    ),
+    symptom=(
+        "once a function holds code compiled by one `torch.compile`, a call in another thread through another "
+        "`torch.compile` of it raises `KeyError` from the guard instead of compiling (eager `torch.cond` compiles"
+        " its branches on every call: 237 failed calls in a 4-second soak)"
+    ),
+    releases_note='2.1 guards no backend, 2.3+ share it: "not needed"',
 )

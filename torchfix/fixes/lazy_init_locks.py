@@ -223,4 +223,20 @@ FIX = Fix(
             stage=1,
         ),
     ),
+    shared_state=(
+        "two read-modify-writes of process state that torch does unlocked: "
+        "`torch._functorch.predispatch.lazy_load_decompositions` makes its `DECOMPOSITIONS_LOCK` on first use, "
+        "without a lock, and `invoke_leaf_function.store_makefx_modules` (a `leaf_function` taking modules, under"
+        " `make_fx` or a non-strict export) takes each module's index from a process counter with `-= 1` and then"
+        " reads the counter again"
+    ),
+    symptom=(
+        "two threads' first `torch.vmap` calls each make a lock and both register vmap's decompositions: on 2.9 –"
+        " 2.12 the second raises `RuntimeError: This is not allowed since there's already a kernel registered "
+        "from python overriding mse_loss_backward's behavior` (torch 2.10), from 2.13 it overrides the first's "
+        "kernels; two threads filing modules at once get one index for both, and one thread's graph runs the "
+        "other's module (torch 2.13, 2.15). The lock is now one made ahead of time, and the index is taken under "
+        "a lock (a per-thread counter would be wrong: the indices are baked into graphs)"
+    ),
+    releases_note='the index from 2.12; 2.2 – 2.8 make the lock at import: "not needed"',
 )

@@ -186,4 +186,22 @@ FIX = Fix(
             shows="the main thread's fake trace: raised",
         ),
     ),
+    shared_state=(
+        "the local_map op's `torch._higher_order_ops.local_map._DEFER_INLINING` (set by `defer_inlining()`, read "
+        "by its Autograd and Fake kernels) and `LocalMapWrappedHigherOrderVariable._enabled` (set by its "
+        "`enable()`, read when Dynamo meets `local_map`) are process-wide"
+    ),
+    symptom=(
+        "while one thread is inside `defer_inlining()` (AutoParallel), other threads' traces through local_map "
+        "take the deferred path: a fake-tensor trace raises `AssertionError: actual_bw_inputs must be > 0` (torch"
+        " 2.10, 2.13, 2.15); while one is inside `enable()`, Dynamo wraps every thread's `local_map` calls in the"
+        " op"
+    ),
+    releases_note='no local_map op before 2.10: "not needed"',
+    caveats=(
+        "`local-map-flags` runs the backward of a deferred local_map op (`LocalMapAutogradOp`, which exists only "
+        "under `defer_inlining()`) inside `defer_inlining()` itself, since autograd may run it on another thread;"
+        " and `LocalMapWrappedHigherOrderVariable._enabled` stays `False`: `enable()` sets the calling thread's "
+        "switch instead."
+    ),
 )

@@ -81,4 +81,15 @@ FIX = moved_globals_fix(
             stage=1,  # without the fix, a finished tracer is left behind in the process
         ),
     ),
+    shared_state=(
+        "`torch.fx.experimental.proxy_tensor._CURRENT_MAKE_FX_TRACER`, the make_fx trace in progress, from which "
+        "higher-order ops trace their subgraphs, is a process global that every `make_fx` (every AOTAutograd "
+        "compile, every export) sets and restores"
+    ),
+    symptom=(
+        "of two threads tracing at once, the one still tracing loses its tracer when the other finishes: its "
+        '`torch.cond` raises "Cannot reenter make_fx when we\'re not under a make_fx tracing session" (or traces '
+        "into the other graph), and a finished tracer is left behind for every later higher-order op"
+    ),
+    releases_note='before 2.4: "not needed"',
 )

@@ -65,4 +65,19 @@ FIX = moved_globals_fix(
             stage=2,
         ),
     ),
+    shared_state=(
+        "`torch._ops._mode_stack_state_for_pre_dispatch`, the stack of modes pre-dispatch tracing (non-strict "
+        "`torch.export.export`, `make_fx(pre_dispatch=True)`) pushes, is one object for the process, while the "
+        "dispatch key that routes ops to it is per thread"
+    ),
+    symptom=(
+        "while one thread exports, every other thread sees the exporter's modes: an eager `torch.cond` there "
+        'traces into the export, which fails ("fake mode ... doesn\'t match mode"), and after that every eager '
+        "`torch.cond` in the process raises `UncapturedHigherOrderOpError`; two exports pop each other's modes "
+        '("Trying to pop empty mode stack")'
+    ),
+    releases_note=(
+        'before 2.3: "not needed"; `torch.export.export` traces pre-dispatch from 2.4, on 2.3 only '
+        "`make_fx(pre_dispatch=True)` uses the stack"
+    ),
 )

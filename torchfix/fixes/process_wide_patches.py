@@ -185,4 +185,28 @@ FIX = Fix(
         ),
         Scenario(overlapping_meta_traces, releases("2.0"), shows="left patched: torch.arange", stage=1),
     ),
+    shared_state=(
+        "`torch._higher_order_ops.torchbind.enable_torchbind_tracing()` (2.3+) sets "
+        "`torch.ScriptMethod.__call__`, and the legacy `torch.fx.experimental.meta_tracer.MetaTracer.trace` sets "
+        "`torch.arange`, `zeros`, `ones`, `full_like` and `eye` (`setattr(torch, ...)`), for the whole process "
+        "while they last, and write the originals back at their end"
+    ),
+    symptom=(
+        "while one thread is inside `enable_torchbind_tracing()`, a torchbind method call in another thread goes "
+        "through the `call_torchbind` higher-order operator: under a `TorchDispatchMode` of that thread it raises"
+        " `NotImplementedError: There was no rule registered for HigherOrderOperator call_torchbind` (torch 2.10,"
+        " 2.13, 2.15; by the code `AssertionError` on 2.3 – 2.4); two `MetaTracer` traces that overlap leave the "
+        "first one's wrappers as `torch.zeros` and the rest for good (2.2, 2.10, 2.13, 2.15). The patches now act"
+        " in the thread that makes them (`trace-patch-isolation`'s per-thread dispatcher)"
+    ),
+    releases_note="the torchbind part from 2.3",
+    caveats=(
+        "It leaves as it was the `torch.ScriptObject` that `enable_torchbind_tracing()` appends to AOTAutograd's "
+        "`KNOWN_TYPES` (every thread appends the same type, so its check on leaving holds, and the list only "
+        "widens which inputs AOTAutograd accepts). While any thread holds such a patch, the module slot holds the"
+        " dispatcher, a Python function. It imports `torch.fx.experimental.meta_tracer` when it applies (about 1 "
+        "ms). A backward that autograd runs on its device thread (CUDA) sees the patching thread's patches from "
+        "torch 2.13 (torch's thread-local stash), before that torch's originals (a torchbind call in a traced "
+        "backward, say)."
+    ),
 )

@@ -171,4 +171,24 @@ FIX = Fix(
             shows="cannot be nested",
         ),
     ),
+    shared_state=(
+        "`torch.autograd.graph.allow_mutation_on_saved_tensors()` keeps whether a context is active in one "
+        "process global, `_allow_mutation_on_saved_tensors_enabled`, which refuses a second context and which the"
+        " unpack hook checks during backward"
+    ),
+    symptom=(
+        "while one thread is inside the context, another thread's context raises `allow_mutation_on_saved_tensors"
+        " contexts cannot be nested`, and that failed entry clears the flag: the first thread's backward then "
+        "raises `Trying to backward outside of the 'allow_mutation_on_saved_tensors' context` (torch 2.13, "
+        "2.14.1); now the nesting check is per thread and the unpack hook asks its own context (backward may run "
+        "on autograd's device thread)"
+    ),
+    caveats=(
+        "`saved-tensor-mutation` cannot simply make torch's flag per thread: backward runs the unpack hook that "
+        "checks it on autograd's device thread for CUDA tensors (or on whichever thread calls backward). The "
+        "nesting check is per thread, and the hook asks the context its graph was recorded in (`ctx.active`, "
+        "which the context sets beside the thread's flag). One change in a single thread: after a nested entry "
+        "failed (and was caught) inside a context, the outer context's graphs still run backward, where torch's "
+        "failed entry cleared the process flag under them."
+    ),
 )

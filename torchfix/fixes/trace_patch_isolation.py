@@ -247,4 +247,13 @@ FIX = Fix(
         Scenario(h4_trace_patches_leak, releases("2.0"), args=("cond",), needs="torch.cond", stage=1),
         Scenario(h4_trace_patches_leak, releases("2.0"), args=("symbolic_trace",), stage=1),
     ),
+    shared_state=(
+        "H4: `Tracer.trace` patches `nn.Module.__call__`/`__getattr__` and wrapped functions process-wide; "
+        "`CURRENT_PATCHER` is a global"
+    ),
+    symptom=(
+        "eager modules in other threads run the tracer's wrappers (`NameError: module is not installed as a "
+        "submodule`), overlapping traces corrupt each other (`AssertionError: CURRENT_PATCHER is None in finally "
+        "block`)"
+    ),
 )
