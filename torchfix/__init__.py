@@ -7,7 +7,12 @@ instead of warning when a needed fix cannot be applied. ``python -m torchfix`` p
 
 ``propagate_config()`` (torch 2.12+, where Dynamo/Inductor config is per thread) makes the settings
 made in the calling thread apply in every thread: call it once after configuring.
+
+``watch()`` (a context manager) samples, from a thread of its own, the process state that torch's threads share,
+and reports what one thread changed where the others could see it: ``python -m torchfix watch -- job.py``.
 """
+
+import contextlib
 
 from ._config import propagate_config
 from ._fix import FixStatus, State
@@ -15,6 +20,7 @@ from ._install import TorchfixError, TorchfixWarning, install, status, uninstall
 
 __all__ = [
     "FixStatus",
+    "watch",
     "State",
     "TorchfixError",
     "TorchfixWarning",
@@ -24,5 +30,14 @@ __all__ = [
     "uninstall",
 ]
 __version__ = "0.1.0"
+
+
+def watch(interval: float = 0.02) -> contextlib.AbstractContextManager:
+    """Watch torch's shared process state while the block runs: ``with torchfix.watch() as w: ...``, then
+    ``w.report()``. See :mod:`torchfix._watch`."""
+    from ._watch import watch as _watch
+
+    return _watch(interval)
+
 
 install()

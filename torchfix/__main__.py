@@ -238,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     docs_parser.add_argument("--doc", default="docs/fixes.md", help="the table's file (default: docs/fixes.md)")
     docs_parser.add_argument("--readme", default="README.md", help="the README whose list to rewrite ('' for none)")
     docs_parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file would change")
+    watch_parser = commands.add_parser(
+        "watch", help="run a program and report the process state one thread changed where other threads saw it"
+    )
+    watch_parser.add_argument("--interval", type=float, default=0.02, help="seconds between samples (0.02)")
+    watch_parser.add_argument("--json", help="also write the report to this file")
+    watch_parser.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args (or -m module args)")
     run_parser = commands.add_parser("run", help="run a script or -m module with torchfix loaded")
     run_parser.add_argument("target", nargs=argparse.REMAINDER)
     stress_parser = commands.add_parser(
@@ -257,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         return docs(args.doc, args.readme, args.check)
     if args.command == "run":
         return run(args.target)
+    if args.command == "watch":
+        from . import _watch
+
+        target = args.target[1:] if args.target[:1] == ["--"] else args.target
+        return _watch.main(target, args.interval, args.json)
     if args.command == "pth":
         return pth(args.action, args.site_dir)
     if args.command == "stress":

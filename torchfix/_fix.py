@@ -132,9 +132,9 @@ class Fix:
     probe: Callable[[], str | None]
     patches: Callable[[str], list[Patch]]  # torch version -> fresh patch objects (they hold their undo state)
     # Where it stands among the fixes (``fixes.ALL``): they apply in increasing order (ties by name) and revert
-    # in reverse, and status(), the doctor and the table of fixes (docs/fixes.md) list them so. No fix needs another applied
-    # first (edits of one file compose in any order), so this is only its place in the list: tens, leaving
-    # room for a new fix to go between two.
+    # in reverse, and status(), the doctor and the table of fixes (docs/fixes.md) list them so. No fix needs
+    # another applied first (edits of one file compose in any order), so this is only its place in the list:
+    # tens, leaving room for a new fix to go between two.
     order: int
     # The module whose import applies the fix: torch, or a part of torch that `import torch` does not load
     # (importing it early would slow every program down).
