@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import wrapt
 
@@ -129,6 +130,15 @@ class ThreadPatches:
             if slot.patches == 0:
                 slot.restore()
                 del self._slots[key]
+
+    @contextlib.contextmanager
+    def patched(self, owner: dict | type, name: str, new_fn: Callable) -> Iterator[Callable]:
+        """``unittest.mock.patch`` of ``owner[name]`` (``owner.name``), for the calling thread only."""
+        self.set(owner, name, new_fn)
+        try:
+            yield new_fn
+        finally:
+            self.unset(owner, name)
 
     def _top(self, key: tuple[int, str]) -> Callable | None:
         stack = getattr(self._spaces.get(), "stacks", {}).get(key)
