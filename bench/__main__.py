@@ -1,5 +1,5 @@
-"""python -m bench [overhead] [coldstart] [trainer] [cudagraphs] [cost] [--device DEV] [--quick] [--out DIR]:
-print a table and write JSON per benchmark."""
+"""python -m bench [overhead] [coldstart] [trainer] [cudagraphs] [cost] [equivalence] [--device DEV] [--quick]
+[--out DIR]: print a table and write JSON per benchmark."""
 
 from __future__ import annotations
 
@@ -8,9 +8,16 @@ import json
 import shutil
 from pathlib import Path
 
-from . import coldstart, cost, cudagraphs, overhead, trainer
+from . import coldstart, cost, cudagraphs, equivalence, overhead, trainer
 
-BENCHMARKS = {"overhead": overhead, "coldstart": coldstart, "trainer": trainer, "cudagraphs": cudagraphs, "cost": cost}
+BENCHMARKS = {
+    "overhead": overhead,
+    "coldstart": coldstart,
+    "trainer": trainer,
+    "cudagraphs": cudagraphs,
+    "cost": cost,
+    "equivalence": equivalence,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

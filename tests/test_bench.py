@@ -147,3 +147,20 @@ def test_cost_refuses_a_fix_name_it_does_not_know_before_any_run(tmp_path):
     )
     assert proc.returncode == 1 and "no fix named no-such-fix" in proc.stderr, proc.stderr
     assert not (tmp_path / "cost-state" / "runs.jsonl").exists()
+
+
+def test_one_thread_sees_torch_as_without_torchfix(tmp_path):
+    """The equivalence run, short form: every 25th operator of torch's OpInfo database through torch.compile
+    (aot_eager) and make_fx, with torchfix and without; no difference in outputs, graphs, graph breaks,
+    recompiles or errors (``python -m bench equivalence`` runs all of them)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "equivalence", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "equivalence.json").read_text())
+    assert result["operators"] > 20 and result["graphs"] > 10, result
+    assert result["differences"] == {}, proc.stdout
