@@ -136,3 +136,61 @@ def test_a_failed_capture_leaves_captures_to_other_threads():
     """cuda-graph-capture's lock over captures goes back when a capture fails in ``__exit__``."""
     proc = subprocess.run([sys.executable, "-c", FAILED_CAPTURE], capture_output=True, text=True, timeout=180)
     assert "the capture failed" in proc.stdout and "another thread captured" in proc.stdout, proc.stderr[-3000:]
+
+
+# The logic of torch's own test_cudagraph_trees.py::CudaGraphTreeTests::test_checkpointing_resets_persistent_refs:
+# a direct write of GenerationTracker.generation between two compiled calls keeps the second in the first's
+# generation, so the first's output is still live when the second runs. It failed with torchfix before the
+# CUDA-graph step counters read the class attributes' direct writes (an H200, torch 2.11: 1 live block, not 2).
+GENERATION_WRITTEN_DIRECTLY = r"""
+import gc, json
+import torch
+import torchfix
+from torch._dynamo.mutation_guard import GenerationTracker
+from torch._inductor import config, cudagraph_trees
+
+def live_blocks():  # blocks of CUDA graph pools in use, as the upstream test counts them
+    return sum(block["state"] == "active_allocated" for segment in torch.cuda.memory_snapshot()
+               if segment["segment_pool_id"] != (0, 0) for block in segment["blocks"])
+
+asserts = {"triton.fast_path_cudagraph_asserts": True, "triton.slow_path_cudagraph_asserts": True}
+with config.patch({"triton.cudagraphs": True, "triton.cudagraph_trees": True, **asserts}):
+    torch._dynamo.reset()
+    foo = torch.compile(lambda x: x @ x, mode="reduce-overhead")
+    inp = lambda: torch.rand([20, 20], device="cuda")
+    for _ in range(3):
+        foo(inp())
+    out = foo(inp())
+    out_id = id(out)
+    del out
+    same_output = id(foo(inp())) == out_id
+    foo2 = torch.compile(lambda x: (x[0], x @ x), mode="reduce-overhead")
+    counts = []
+    for _ in range(2):
+        out = foo(inp())
+        GenerationTracker.generation -= 1
+        out_alias, out2 = foo2(out)
+        del out_alias
+        counts.append(live_blocks())
+        del out
+        counts.append(live_blocks())
+    del out2
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+print(json.dumps({"same_output": same_output, "live_blocks": counts, "after_reset": [manager is None, live_blocks()]}))
+"""
+
+
+def test_a_generation_written_directly_keeps_outputs_live_as_without_torchfix():
+    runs = {}
+    for label, disabled in (("with", ""), ("without", "1")):
+        env = dict(os.environ, TORCHFIX_DISABLE=disabled)
+        proc = subprocess.run(
+            [sys.executable, "-c", GENERATION_WRITTEN_DIRECTLY], capture_output=True, text=True, env=env, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["without"] == {"same_output": True, "live_blocks": [2, 1, 2, 1], "after_reset": [True, 0]}, runs
+    assert runs["with"] == runs["without"], runs

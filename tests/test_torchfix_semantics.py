@@ -365,3 +365,134 @@ print(json.dumps(outer(wrapped, torch.ones(3)).tolist()))
     if ran is None:
         pytest.skip("torch.compiler.disable has no recursive= before 2.7")
     assert ran == [2.0, 2.0, 2.0]
+
+
+# Every name a patch makes per thread (PerThreadName, declared by the patch), in one thread: read and written directly
+# (by code outside torch's patched functions) and reset by torch's own API, with torchfix as without it. One
+# interpreter per mode checks them all.
+PER_THREAD_NAMES = r"""
+import importlib, json, types
+import torch, torchfix
+from torchfix import _install, fixes
+from torchfix._install import module_file_exists
+
+for trigger in sorted({fix.trigger for fix in fixes.ALL}):  # the fixes that wait for a module apply with it
+    if trigger == "torch" or module_file_exists(trigger):
+        importlib.import_module(trigger)
+version, applied = str(torch.__version__), dict(_install._applied)
+declared = {  # the fixes this torch needs: what they make per thread, applied or not
+    (name.module, name.name): (name, fix in applied)
+    for fix in fixes.ALL
+    if fix in applied or (fix.supports(version) and fix.probe() is None)
+    for patch in (applied.get(fix) or fix.patches(version))
+    for name in patch.per_thread_names()
+}
+
+def owner(name):  # the module, or the class of a dotted name, and the attribute
+    module = importlib.import_module(name.module)
+    *path, attr = name.name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, attr
+
+def looks(value):  # JSON of a value, comparable between processes (objects by type)
+    return value if isinstance(value, (bool, int, str, type(None))) else type(value).__name__
+
+def other_than(value):
+    return (not value) if isinstance(value, bool) else value - 1 if isinstance(value, int) else object()
+
+found = {}
+for (module_name, dotted), (name, patched) in sorted(declared.items()):
+    where, attr = owner(name)
+    def seen():  # by torch's own code in this thread
+        return name.seen_by_torch(importlib.import_module(module_name)) if patched else getattr(where, attr)
+    original = getattr(where, attr)
+    moved_global = isinstance(where, types.ModuleType) and attr not in vars(where)  # served by a module __getattr__
+    row = {"read": looks(original), "torch_reads_it": seen() is original or seen() == original}
+    written = other_than(original)
+    setattr(where, attr, written)
+    row["write"] = [getattr(where, attr) is written, seen() is written or seen() == written]
+    if name.reset:
+        exec(name.reset)
+        row["reset"] = [looks(getattr(where, attr)), looks(seen())]
+    if moved_global:  # back to the module __getattr__
+        delattr(where, attr)
+    else:
+        setattr(where, attr, original)
+    found[f"{module_name}.{dotted}"] = {"row": row, "written_unseen": bool(name.written_unseen) and patched}
+print(json.dumps(found))
+"""
+
+
+def test_every_per_thread_name_reads_writes_and_resets_in_one_thread_as_without_torchfix():
+    fixed, plain = (run_ok(PER_THREAD_NAMES, disable=off).json() for off in (None, "1"))
+    assert fixed.keys() == plain.keys(), (sorted(fixed), sorted(plain))
+    counters = set()
+    if TORCH_VERSION.release >= (2, 1):  # CUDA graph trees
+        counters = {"torch._dynamo.mutation_guard.GenerationTracker.generation"}
+        counters.add("torch._inductor.cudagraph_trees.MarkStepBox.mark_step_counter")
+    assert counters <= fixed.keys(), sorted(fixed)
+    unseen = {name for name, found in fixed.items() if found["written_unseen"]}
+    for name, found in fixed.items():
+        row, without = found["row"], plain[name]["row"]
+        if name in unseen:  # declared: a direct write does not reach torch's patched code (PerThreadName)
+            assert row["write"] == [True, False] and without["write"] == [True, True], (name, row, without)
+            row, without = {**row, "write": None}, {**without, "write": None}
+        assert row == without, (name, row, without)
+    assert not counters & unseen
+
+
+CUDA_GRAPH_COUNTERS = r"""
+import json, threading
+import torchfix, torch
+from torch._dynamo.mutation_guard import GenerationTracker
+from torch._inductor import cudagraph_trees
+from torch._inductor.cudagraph_trees import CUDAGraphTreeManager, MarkStepBox
+
+def read():  # what the trees of the calling thread go by, and the class attributes
+    return [CUDAGraphTreeManager.get_curr_generation(), CUDAGraphTreeManager.user_invoked_mark_step(),
+            GenerationTracker.generation, MarkStepBox.mark_step_counter]
+
+compiled = torch.compile(lambda x: x + 1, backend="eager")
+steps = {
+    "compiled call": lambda: compiled(torch.ones(2)),
+    "generation -= 1": lambda: setattr(GenerationTracker, "generation", GenerationTracker.generation - 1),
+    "torch._dynamo.reset()": torch._dynamo.reset,
+    "mark step": torch.compiler.cudagraph_mark_step_begin,
+    "mark_step_counter = -7": lambda: setattr(MarkStepBox, "mark_step_counter", -7),
+    "reset_cudagraph_trees()": cudagraph_trees.reset_cudagraph_trees,
+    "mark_step_counter = 0": lambda: setattr(MarkStepBox, "mark_step_counter", 0),
+}
+one_thread = []
+for step in ["compiled call", "generation -= 1", "compiled call", "torch._dynamo.reset()", "compiled call",
+             "mark step", "mark_step_counter = -7", "mark step", "reset_cudagraph_trees()", "mark_step_counter = 0"]:
+    steps[step]()
+    one_thread.append([step, *read()])
+
+# Another thread with counters of its own reads its trees' generation while this one runs torch's own steps
+# (no direct writes): it must not move.
+ready, done, other = threading.Event(), threading.Event(), []
+def elsewhere():
+    compiled(torch.ones(2))
+    other.append(read()[:2])
+    ready.set(); done.wait(60)
+    other.append(read()[:2])
+thread = threading.Thread(target=elsewhere)
+thread.start(); ready.wait(60)
+for step in ["compiled call", "mark step", "torch._dynamo.reset()", "reset_cudagraph_trees()", "mark step"]:
+    steps[step]()
+done.set(); thread.join(60)
+print(json.dumps({"one_thread": one_thread, "other_moved": other[0] != other[1]}))
+"""
+
+
+@pytest.mark.skipif(TORCH_VERSION.release < (2, 1), reason="CUDA graph trees from torch 2.1")
+def test_cuda_graph_counters_written_directly_reach_the_trees_of_one_thread_as_without_torchfix():
+    # cudagraph-step-counters: torch's tests write GenerationTracker.generation -= 1 between two compiled calls to
+    # keep the second in the first's generation (test_checkpointing_resets_persistent_refs); in one thread the
+    # trees must read what they read without torchfix, whatever wrote the counters; across threads, not move.
+    fixed, plain = (run_ok(CUDA_GRAPH_COUNTERS, disable=off).json() for off in (None, "cudagraph-step-counters"))
+    assert fixed["one_thread"] == plain["one_thread"], (fixed, plain)
+    first_call, written = plain["one_thread"][:2]
+    assert written[1] == first_call[1] - 1, plain  # the direct write is seen
+    assert not fixed["other_moved"] and plain["other_moved"], (fixed, plain)

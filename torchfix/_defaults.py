@@ -25,6 +25,9 @@ class _DefaultChange:
     def diff(self, read_source: Callable[[str], str]) -> str:
         return ""
 
+    def per_thread_names(self) -> list:
+        return []  # a default is the process's, for every thread
+
 
 class ConfigDefault(_DefaultChange):
     """The process-wide default of a ``torch.utils._config_module`` entry, for every thread.

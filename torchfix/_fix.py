@@ -97,6 +97,9 @@ class Patch(Protocol):
     # or a file the release lacks); raises ShapeError where the source is not the expected shape.
     def diff(self, read_source: Callable[[str], str]) -> str: ...
 
+    # The names of torch's it makes per thread (``_patch.PerThreadName``), for the tests that check them.
+    def per_thread_names(self) -> list: ...
+
 
 class State(str, enum.Enum):
     APPLIED = "applied"

@@ -60,6 +60,22 @@ def source_without_import(name: str) -> str | None:
         return f.read()
 
 
+@dataclasses.dataclass(frozen=True)
+class PerThreadName:
+    """A name of torch's that a patch makes per thread, as code outside torch's patched functions reaches it.
+
+    What a thread saw of it without torchfix it must see with it: a read of ``module.name`` (a dotted name is a
+    class attribute), a write of it, and the reset by torch's own API. The generated tests check each declared
+    name so (tests/test_torchfix_semantics.py)."""
+
+    module: str
+    name: str  # in the module: "_is_compiling_flag", "GenerationTracker.generation"
+    # The calling thread's value as torch's patched code reads it (the module is the argument), once patched
+    seen_by_torch: Callable[[types.ModuleType], object]
+    reset: str = ""  # the call of torch's that resets it, as source ("torch._dynamo.reset()"); "" where none does
+    written_unseen: str = ""  # why a direct write does not reach torch's code; "" where it does
+
+
 class SourcePatch:
     """Edits of one torch module's functions, swapped in by ``__code__``.
 
@@ -147,6 +163,10 @@ class SourcePatch:
 
     def _remove_state(self, module: types.ModuleType) -> None:
         pass
+
+    def per_thread_names(self) -> list[PerThreadName]:
+        """The names of torch's this patch makes per thread (in this release, importing the module)."""
+        return []
 
 
 def _stable(value: object) -> object:
@@ -575,6 +595,28 @@ class ThreadLocalGlobals(SourcePatch):
                 setattr(holder, attr, own)  # a thread that keeps a value of its own slows every read
             if served is not probe:
                 raise ShapeError(f"{module.__name__}.{name} does not read its per-thread value after patching")
+
+    def per_thread_names(self) -> list[PerThreadName]:
+        module = importlib.import_module(self.module_name)
+        present = self._present(_module_level_names(read_source(module)))
+        return [
+            PerThreadName(
+                self.module_name,
+                name,
+                lambda module, attr=attr: getattr(vars(module)[self.holder], attr),
+                written_unseen=_MODULE_WRITE_UNSEEN,
+            )
+            for name, attr in present.items()
+        ]
+
+
+# A module attribute write cannot be intercepted but by giving the module a class of its own, which Dynamo tells
+# from a module (it checks `type(m) is ModuleType`); PEP 562 gives modules a __getattr__ and no __setattr__.
+_MODULE_WRITE_UNSEEN = (
+    "`module.NAME = value` from outside the module puts NAME back into the module's dict, where torch's patched "
+    "code (which reads the per-thread holder) does not look; a module __setattr__ would need a module subclass, "
+    "which Dynamo does not treat as a module"
+)
 
 
 class _MovedGlobals:

@@ -8,50 +8,74 @@ generation it last ran in with the current one: ``MarkStepBox.mark_step_counter`
 starts a new generation in every other thread's trees: a tree then frees, or skips the pending-backward
 check for, outputs its own thread still needs ("accessing tensor output of CUDAGraphs that has been
 overwritten by a subsequent run"; seen on an H200, torch 2.11, 3 threads calling mark-step each step: 1 of
-3 threads failed, 2 of 2 runs). ``reset_cudagraph_trees()`` zeroes the counter for all threads too.
+3 threads failed, 2 of 2 runs). ``reset_cudagraph_trees()`` and ``torch._dynamo.reset()`` zero the counters
+for all threads too.
 
-Both counters move to a ``Steps`` object per thread, kept in the C++ thread-local stash (until the thread
-ends: ``_thread_stash``), as torch keeps the tree containers, so autograd's device thread running a
-thread's backward reads that thread's counters.
-The trees read them through ``_cudagraph_steps()``. The increment on every compiled call stays call-free
-(it must cost next to nothing): it goes to the calling thread's ``Steps`` through a ``threading.local``
-whose class default is one shared object, for threads that have not run a CUDA graph (nobody reads it).
+The class attributes stay the process's counters, which torch's own code goes on changing as before and
+which code outside the trees reads and writes (torch's tests write ``GenerationTracker.generation -= 1`` to
+stay in one generation). Each statement of torch's that changes one also changes it in two ``Steps``: the
+calling thread's own (kept in the C++ thread-local stash until the thread ends, ``_thread_stash``, as torch
+keeps the tree containers, so that autograd's device thread running a thread's backward reads that thread's
+counters) and ``BY_TORCH``, the sum of all of torch's changes. A tree reads its thread's own counter plus
+what else changed the class attribute (the attribute less ``BY_TORCH``): in one thread that is the class
+attribute itself, whatever wrote it; across threads, each thread's own steps, and a direct write reaches every
+thread, as it does without torchfix. torch's resets zero the calling thread's counter, not the others'.
+The increment on every compiled call stays call-free (it must cost next to nothing): it goes to the calling
+thread's ``Steps`` through a ``threading.local`` whose class default is one shared object, for threads that
+have not run a CUDA graph (nobody reads it).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import sys
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
+from .._patch import PerThreadName, SourcePatch
 from .._selftest import Result, compiled_add_one
 from .._source import Edit, ShapeError, parse, replace_node, segment
 from .._thread_stash import stash_until_thread_end
 
 TREES = "torch._inductor.cudagraph_trees"
 GUARD = "torch._dynamo.mutation_guard"
-ACCESSOR = "_cudagraph_steps"  # in cudagraph_trees
+ACCESSOR = "_cudagraph_steps"  # in cudagraph_trees: the Steps of the thread whose work runs
+READS = {  # in cudagraph_trees: what the trees read instead of the class attributes
+    "MarkStepBox.mark_step_counter": "_cudagraph_mark_step_counter",
+    "GenerationTracker.generation": "_cudagraph_generation",
+}
 THIS_THREAD = "_cudagraph_thread_steps"  # in mutation_guard, the per-call increment's target
+TORCH_TOTAL = "_cudagraph_steps_by_torch"  # in both modules: BY_TORCH
 KEY = "torchfix_cudagraph_steps"  # of the C++ thread-local stash
+# Where ``x.attr += 1`` from several threads can lose an update (Python before 3.10 switches threads between
+# the read and the write; a build without the GIL has no switch at all), the class attribute less BY_TORCH
+# would drift without any write of the user's, and move every thread's generation: there the trees read their
+# own steps only, and a direct write of the class attributes does not reach them (measured: 4 threads x 300 k
+# increments lost 30 - 40 % on 3.8 and 3.9, none on 3.10 - 3.13).
+COUNTS_ARE_EXACT = sys.version_info >= (3, 10) and getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 class Steps:
-    """One thread's CUDA-graph generation counters."""
+    """CUDA-graph step counters as torch's own code changed them: one thread's, or every thread's (BY_TORCH)."""
 
     __slots__ = ("mark_step_counter", "generation")
 
-    def __init__(self) -> None:
+    def __init__(self, generation: int = 0) -> None:
         self.mark_step_counter = 0  # decremented by cudagraph_mark_step_begin(), as MarkStepBox's
-        self.generation = 0  # incremented on every call of a compiled function, as GenerationTracker's
+        self.generation = generation  # incremented on every call of a compiled function, as GenerationTracker's
 
 
+# Both outlive an uninstall: a thread's Steps stay in its stash, and a later install must count on from them.
+BY_TORCH = Steps()
 UNCOUNTED = Steps()  # every thread's until its first CUDA graph: increments no tree reads
 
 
 class ThreadSteps(threading.local):
     steps = UNCOUNTED  # a class default, so the increment needs no call in any thread
+
+
+THREAD_STEPS = ThreadSteps()
 
 
 def steps_of_this_work() -> Steps:
@@ -66,65 +90,136 @@ def steps_of_this_work() -> Steps:
         cudagraph_trees.local, "tree_manager_containers"
     ):
         return UNCOUNTED  # a device thread, for a thread whose trees predate torchfix: nothing to share
-    steps = Steps()
+    # A thread's trees start at the process's generation, as without torchfix, and move with its own calls;
+    # it has made no mark-step yet (it counts them from its first, which comes here).
+    steps = Steps(generation=BY_TORCH.generation)
     stash_until_thread_end(KEY, steps)
-    vars(importlib.import_module(GUARD))[THIS_THREAD].steps = steps
+    THREAD_STEPS.steps = steps
     return steps
 
 
+def _written_elsewhere(counter: str, owner: object) -> int:
+    """What code other than torch's own changed the class attribute ``owner.counter`` by."""
+    return getattr(owner, counter) - getattr(BY_TORCH, counter) if COUNTS_ARE_EXACT else 0
+
+
+def mark_step_counter_of_this_work() -> int:
+    """``MarkStepBox.mark_step_counter`` as the trees of the thread whose work runs now see it."""
+    box = sys.modules[TREES].MarkStepBox
+    return steps_of_this_work().mark_step_counter + _written_elsewhere("mark_step_counter", box)
+
+
+def generation_of_this_work() -> int:
+    """``GenerationTracker.generation`` as the trees of the thread whose work runs now see it."""
+    tracker = sys.modules[GUARD].GenerationTracker
+    return steps_of_this_work().generation + _written_elsewhere("generation", tracker)
+
+
+def _target(write: ast.AugAssign | ast.Assign) -> ast.expr:
+    return write.targets[0] if isinstance(write, ast.Assign) else write.target
+
+
+def _change(source: str, write: ast.AugAssign | ast.Assign) -> str:
+    """What a statement does to its target: " -= 1", " = 0"."""
+    return segment(source, write)[len(segment(source, _target(write))) :]
+
+
+def _also_counted(source: str, write: ast.AugAssign | ast.Assign, *counters: str) -> Edit:
+    """torch's statement that changes a counter, followed by the same change of each of ``counters``."""
+    change = _change(source, write)
+    return replace_node(write, "; ".join([segment(source, write), *(counter + change for counter in counters)]))
+
+
+def _writes(tree: ast.AST, attr: str) -> list[ast.AugAssign | ast.Assign]:
+    """The one-target statements that write ``<something>.attr``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign):
+            targets = [node.target]
+        else:
+            continue
+        if len(targets) == 1 and isinstance(targets[0], ast.Attribute) and targets[0].attr == attr:
+            found.append(node)
+    return found
+
+
 class _TreeCounters(SourcePatch):
-    """The trees read and write the per-thread counters instead of the globals."""
+    """The trees read their thread's counters; torch's changes of ``MarkStepBox.mark_step_counter`` count for the
+    thread and in BY_TORCH too."""
 
     def __init__(self) -> None:
         super().__init__(TREES, "torch/_inductor/cudagraph_trees.py")
 
     def describe(self) -> str:
-        return super().describe() + f"; adds {ACCESSOR}, the counters of the thread whose work runs"
+        return super().describe() + f"; adds {ACCESSOR}, {', '.join(READS.values())} and {TORCH_TOTAL}"
 
     def edits(self, source: str) -> list[Edit]:
         tree = parse(source)
-        marks = [
+        writes = [w for w in _writes(tree, "mark_step_counter") if segment(source, w).startswith("MarkStepBox.")]
+        written = {id(_target(w)) for w in writes}
+        reads = [
             node
             for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and segment(source, node) == "MarkStepBox.mark_step_counter"
+            if isinstance(node, ast.Attribute) and segment(source, node) in READS and id(node) not in written
         ]
-        generations = [
-            node
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and segment(source, node) == "GenerationTracker.generation"
-        ]
-        if not marks or len(generations) != 1:
-            raise ShapeError(f"{self.relpath}: expected uses of MarkStepBox and one read of GenerationTracker")
-        return [replace_node(node, f"{ACCESSOR}().mark_step_counter") for node in marks] + [
-            replace_node(generations[0], f"{ACCESSOR}().generation")
+        read_names = [segment(source, node) for node in reads]
+        if not writes or read_names.count("GenerationTracker.generation") != 1 or len(reads) < 2:
+            raise ShapeError(
+                f"{self.relpath}: expected writes and reads of MarkStepBox and one read of GenerationTracker"
+            )
+        counters = (f"{TORCH_TOTAL}.mark_step_counter", f"{ACCESSOR}().mark_step_counter")
+        return [_also_counted(source, w, *counters) for w in writes] + [
+            replace_node(node, f"{READS[name]}()") for node, name in zip(reads, read_names)
         ]
 
     def helpers(self) -> dict[str, object]:
-        return {ACCESSOR: steps_of_this_work}
+        functions = (mark_step_counter_of_this_work, generation_of_this_work)
+        return {ACCESSOR: steps_of_this_work, TORCH_TOTAL: BY_TORCH, **dict(zip(READS.values(), functions))}
+
+    def per_thread_names(self) -> list[PerThreadName]:
+        return [
+            PerThreadName(
+                TREES,
+                "MarkStepBox.mark_step_counter",
+                lambda trees: trees._cudagraph_mark_step_counter(),
+                reset="torch._inductor.cudagraph_trees.reset_cudagraph_trees()",
+            )
+        ]
 
 
 class _CountPerThread(SourcePatch):
-    """The one increment of ``GenerationTracker.generation`` in a Dynamo file also counts for the thread."""
+    """torch's changes of ``GenerationTracker.generation`` in a Dynamo file (the increment on every compiled call,
+    and ``clear()``) count for the calling thread and in BY_TORCH too."""
 
     def __init__(self, module: str, relpath: str) -> None:
         super().__init__(module, relpath)
-        self.holder = THIS_THREAD if module == GUARD else f"{GUARD}.{THIS_THREAD}"
+        self.prefix = "" if module == GUARD else f"{GUARD}."
 
     def edits(self, source: str) -> list[Edit]:
-        bumps = [
-            node
-            for node in ast.walk(parse(source))
-            if isinstance(node, ast.AugAssign)
-            and isinstance(node.op, ast.Add)
-            and segment(source, node.target).endswith("GenerationTracker.generation")
-        ]
-        if len(bumps) != 1:
-            raise ShapeError(f"{self.relpath}: expected one increment of GenerationTracker.generation")
-        bump = bumps[0]
-        return [replace_node(bump, f"{segment(source, bump)}; {self.holder}.steps.generation += 1")]
+        writes = _writes(parse(source), "generation")
+        changes = sorted(_change(source, w) for w in writes)
+        # Every release: one increment; from 2.4 mutation_guard's clear() (cls.generation = 0) too.
+        if changes not in ([" += 1"], [" += 1", " = 0"]):
+            raise ShapeError(f"{self.relpath}: expected one increment of GenerationTracker.generation (and a reset)")
+        counters = (f"{self.prefix}{TORCH_TOTAL}.generation", f"{self.prefix}{THIS_THREAD}.steps.generation")
+        return [_also_counted(source, w, *counters) for w in writes]
 
     def helpers(self) -> dict[str, object]:
-        return {THIS_THREAD: ThreadSteps()} if self.module_name == GUARD else {}
+        return {THIS_THREAD: THREAD_STEPS, TORCH_TOTAL: BY_TORCH} if self.module_name == GUARD else {}
+
+    def per_thread_names(self) -> list[PerThreadName]:
+        if self.module_name != GUARD:
+            return []
+        return [
+            PerThreadName(
+                GUARD,
+                "GenerationTracker.generation",
+                lambda _guard: sys.modules[TREES]._cudagraph_generation(),
+                reset="torch._dynamo.reset()",
+            )
+        ]
 
 
 def _probe() -> str | None:
@@ -187,6 +282,12 @@ FIX = Fix(
         _TreeCounters(),
     ],
     trigger=TREES,
+    shared_state="torch._inductor.cudagraph_trees.MarkStepBox.mark_step_counter (cudagraph_mark_step_begin(), "
+    "reset_cudagraph_trees()) and torch._dynamo.mutation_guard.GenerationTracker.generation (every compiled call, "
+    "torch._dynamo.reset()): process counters every thread's CUDA graph trees compare to tell a new generation",
+    symptom='"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run" (H200, torch 2.11, '
+    "3 threads calling mark-step each step: 1 of 3 threads failed, 2 of 2 runs)",
+    releases_note="CUDA graph trees from 2.1; both counters are process globals in every release through 2.15",
     scenarios=(Scenario(h7_cudagraph_step_counters, releases("2.1"), needs="CUDA graph trees (2.1+)"),),
     shared_state=(
         "H7: `MarkStepBox.mark_step_counter` and `GenerationTracker.generation`, which the trees read to decide "

@@ -28,7 +28,14 @@ import ast
 import importlib
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch, ThreadLocalGlobals, accesses_left, moved_global_probe, per_thread_class
+from .._patch import (
+    PerThreadName,
+    SourcePatch,
+    ThreadLocalGlobals,
+    accesses_left,
+    moved_global_probe,
+    per_thread_class,
+)
 from .._selftest import Result, held_elsewhere, torch_module
 from .._source import Edit, ShapeError, definitions, parse, replace_node, segment
 
@@ -93,6 +100,17 @@ class _WrappingPerThread(SourcePatch):
 
     def helpers(self) -> dict[str, object]:
         return {SWITCH: per_thread_class(SWITCH, {"enabled": False}, {})()}
+
+    def per_thread_names(self) -> list[PerThreadName]:
+        return [
+            PerThreadName(
+                HOPS,
+                f"{WRAPPED}._enabled",
+                lambda hops: vars(hops)[SWITCH].enabled,
+                written_unseen="the class attribute stays False: enable() and should_wrap_in_hop() use the "
+                f"per-thread {SWITCH} instead (a class attribute write cannot be intercepted)",
+            )
+        ]
 
     def verify(self) -> None:
         super().verify()
