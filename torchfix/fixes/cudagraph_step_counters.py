@@ -285,16 +285,18 @@ FIX = Fix(
     shared_state="torch._inductor.cudagraph_trees.MarkStepBox.mark_step_counter (cudagraph_mark_step_begin(), "
     "reset_cudagraph_trees()) and torch._dynamo.mutation_guard.GenerationTracker.generation (every compiled call, "
     "torch._dynamo.reset()): process counters every thread's CUDA graph trees compare to tell a new generation",
-    symptom='"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run" (H200, torch 2.11, '
-    "3 threads calling mark-step each step: 1 of 3 threads failed, 2 of 2 runs)",
+    symptom="one thread's `cudagraph_mark_step_begin()` (or compiled call) starts a new generation in every thread's "
+    'trees, which overwrite outputs their own thread still needs: "accessing tensor output of CUDAGraphs that has '
+    'been overwritten by a subsequent run" (H200, torch 2.11, 3 threads calling mark-step each step: 1 of 3 threads '
+    "failed, 2 of 2 runs)",
     releases_note="CUDA graph trees from 2.1; both counters are process globals in every release through 2.15",
     scenarios=(Scenario(h7_cudagraph_step_counters, releases("2.1"), needs="CUDA graph trees (2.1+)"),),
-    shared_state=(
-        "H7: `MarkStepBox.mark_step_counter` and `GenerationTracker.generation`, which the trees read to decide "
-        "when earlier outputs may be overwritten, are process globals"
-    ),
-    symptom=(
-        "one thread's `cudagraph_mark_step_begin()` (or compiled call) starts a new generation in every thread's "
-        "trees, which overwrite outputs their own thread still needs"
+    caveats=(
+        "The class attributes stay the process's counters, which torch's code and direct writes change as without "
+        "torchfix; a thread's trees read its own count plus what changed the attribute other than torch (a direct "
+        "write, as torch's `test_checkpointing_resets_persistent_refs` makes, reaches every thread, as without "
+        "torchfix); `torch._dynamo.reset()` and `reset_cudagraph_trees()` reset the calling thread's count. On "
+        "Python < 3.10 and free-threaded builds, where `+= 1` from several threads loses updates, the trees read "
+        "their thread's own count only: a direct write does not reach them there."
     ),
 )
