@@ -33,7 +33,7 @@ import sys
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch, source_without_import
-from .._selftest import HeldExport, Result, export_never_held
+from .._selftest import HeldExport, Result, export_never_held, torch_module
 from .._source import Edit, ShapeError, definition, replace_node
 from .._switches import Override, Switch
 
@@ -145,11 +145,11 @@ def overlapping_exports(timeout: float = 60.0) -> Result | None:
     """Threads A and B each export (non-strict) a module whose forward waits; B starts while A traces, then the main
     thread sets ``torch.backends.cudnn.deterministic = True``, and A finishes first. Afterwards mkldnn, nnpack and
     cudnn must be enabled as before, and ``deterministic`` must be True. What the main thread saw of mkldnn while
-    the exports ran is reported, not judged (one C++ setting: out of reach). None where torch cannot export
-    non-strict."""
+    the exports ran is reported, not judged (one C++ setting: out of reach). None where torch has no
+    ``_ignore_backend_decomps`` (before 2.3) or cannot export non-strict."""
     import torch
 
-    if not hasattr(getattr(torch, "export", None), "export"):
+    if not hasattr(torch_module(MODULE), FUNCTION):
         return None
     scenario = "export backend switches (two threads' exports overlapping, a setting made meanwhile)"
     before, deterministic = _backends_now(), torch.backends.cudnn.deterministic
