@@ -9,7 +9,7 @@ the math decomposition for good (torch 2.13, CPU: ``aten.bmm`` and ``_safe_softm
 alone calls ``_scaled_dot_product_flash_attention_for_cpu``), and one compiled while another thread is inside
 ``sdpa_kernel(FLASH_ATTENTION)`` fails where flash does not fit its inputs.
 
-Dynamo's compile of a frame (in ``CatchErrorsWrapper.__call__``, under ``compile_lock``) enters
+Dynamo's compile of a frame (under ``compile_lock``, in ``CatchErrorsWrapper.__call__``) enters
 :func:`torchfix._switches.compile_view` too: the switches that another thread's ``sdpa_kernel`` holds
 (``sdpa-kernel-switches`` counts them) are set, for the compile, to what the compiling thread sees of its own
 (its own ``sdpa_kernel``'s, or the values before any), and are taken back after it like any override. Where no
@@ -31,7 +31,7 @@ import threading
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch
 from .._selftest import Result, fresh, torch_module
-from .._source import Edit, ShapeError, definition, insert_at, segment
+from .._source import Edit, ShapeError, insert_at, parse, segment
 from .._switches import compile_view
 
 MODULE = "torch._dynamo.convert_frame"
@@ -47,11 +47,11 @@ class _CompileView(SourcePatch):
         return super().describe() + f"; adds {VIEW} (_switches.compile_view) to the compile under compile_lock"
 
     def edits(self, source: str) -> list[Edit]:
-        """``with compile_lock, _disable_current_modes():`` -> ``with ..., _torchfix_compile_view():``."""
-        call = definition(source, self.relpath, "CatchErrorsWrapper.__call__")
+        """``with compile_lock, _disable_current_modes():`` (in ``CatchErrorsWrapper.__call__``, before 2.4 in
+        ``catch_errors_wrapper``'s ``catch_errors``) -> ``with ..., _torchfix_compile_view():``."""
         blocks = [
             node
-            for node in ast.walk(call)
+            for node in ast.walk(parse(source))
             if isinstance(node, ast.With)
             and [segment(source, item.context_expr) for item in node.items] == COMPILE_BLOCK
         ]

@@ -72,6 +72,7 @@ class _SdpaOverride:
         import torch
 
         self._backends = _backend_switches()  # raises here, at apply, where torch lacks a switch
+        self._sdp_backend = importlib.import_module(MODULE).SDPBackend
         c = torch._C
         self._priority = (
             Switch("sdp.priority_order", c._get_sdp_priority_order, c._set_sdp_priority_order)
@@ -85,10 +86,8 @@ class _SdpaOverride:
     def _values(self, backends: object, set_priority: bool) -> dict[Switch, object]:
         """What torch's sdpa_kernel sets: each backend on if named, and with ``set_priority`` the named ones first, in
         their order, then the others in the order they had."""
-        from torch.nn.attention import SDPBackend
-
         values: dict[Switch, object] = {
-            switch: getattr(SDPBackend, attr) in backends for attr, switch in self._backends.items()
+            switch: getattr(self._sdp_backend, attr) in backends for attr, switch in self._backends.items()
         }
         if set_priority:
             first = list(dict.fromkeys(int(backend) for backend in backends))
@@ -116,8 +115,9 @@ class _CountedSdpaKernel(SourcePatch):
 
     def edits(self, source: str) -> list[Edit]:
         """The save (``previous_backends = _cur_sdpa_kernel_backends(...)``, before 2.6 ``previous_math: bool =
-        math_sdp_enabled()``) becomes the override; the first setter in the ``try`` enters it, the first in the
-        ``finally`` exits it; the other setters become ``pass``."""
+        math_sdp_enabled()``) becomes the override; the first setter that the ``try`` runs unconditionally enters it,
+        the first in the ``finally`` exits it; the other setters (2.6 - 2.7: the priority's, under ``if
+        set_priority:``) become ``pass``."""
         function = definition(source, self.relpath, FUNCTION)
         saves = [
             node
@@ -134,10 +134,11 @@ class _CountedSdpaKernel(SourcePatch):
         priority = "set_priority" if any(arg.arg == "set_priority" for arg in function.args.args) else "False"
         edits = [replace_node(save.value, f"{OVERRIDE}(backends, {priority})")]
         for body, call in ((block.body, f"{name}.enter()"), (block.finalbody, f"{name}.exit()")):
+            unconditional = next((statement for statement in body if _is_setter(statement)), None)
+            if unconditional is None:
+                raise ShapeError(f"{self.relpath}: {FUNCTION} sets no switch unconditionally in a part of its try")
             setters = [node for statement in body for node in ast.walk(statement) if _is_setter(node)]
-            if not setters:
-                raise ShapeError(f"{self.relpath}: {FUNCTION} sets no switch in a part of its try")
-            edits += [replace_node(setters[0], call)] + [replace_node(node, "pass") for node in setters[1:]]
+            edits += [replace_node(node, call if node is unconditional else "pass") for node in setters]
         return edits
 
     def helpers(self) -> dict[str, object]:
