@@ -201,6 +201,8 @@ FIX = Fix(
             needs="non-strict export",
             shows="left off: mkldnn, nnpack",
             stage=3,
+            # Two exports at once: FakeTensorMode.__enter__ segfaults there (2.10: 1 of the first 2 runs in one process)
+            crashes=releases("2.10", "2.11"),
         ),
     ),
 )
