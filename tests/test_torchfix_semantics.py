@@ -496,3 +496,70 @@ def test_cuda_graph_counters_written_directly_reach_the_trees_of_one_thread_as_w
     first_call, written = plain["one_thread"][:2]
     assert written[1] == first_call[1] - 1, plain  # the direct write is seen
     assert not fixed["other_moved"] and plain["other_moved"], (fixed, plain)
+
+
+ONE_THREAD_SWITCHES = """
+import json
+import torchfix, torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+M, F, E = SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
+seen = []
+def record(step):
+    c = torch._C
+    sdp = [c._get_flash_sdp_enabled(), c._get_mem_efficient_sdp_enabled(), c._get_math_sdp_enabled()]
+    priority = torch._C._get_sdp_priority_order() if hasattr(torch._C, "_get_sdp_priority_order") else None
+    backends = [torch.backends.mkldnn.enabled, torch._C._get_nnpack_enabled(), torch.backends.cudnn.enabled,
+                torch.backends.cudnn.deterministic]
+    seen.append([step, sdp, priority, backends])
+with sdpa_kernel(M):  # nested, and the user's own settings inside
+    record("math")
+    with sdpa_kernel([F, E]):
+        record("flash+efficient")
+        torch.backends.cuda.enable_math_sdp(True)
+        record("math enabled inside")
+    record("back to math")
+    torch.backends.cuda.enable_flash_sdp(True)
+record("after")
+try:
+    with sdpa_kernel([M, F], set_priority=True):
+        record("priority")
+    record("after priority")
+    with sdpa_kernel(["not a backend"], set_priority=True):
+        pass
+except Exception as exc:
+    seen.append(type(exc).__name__)
+record("after a bad backend")
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        record("in export")
+        torch.backends.mkldnn.enabled = True  # the model's own setting of a switch the export changes
+        torch.backends.cudnn.deterministic = False  # one it does not change
+        return x + 1
+torch.backends.cudnn.deterministic = True
+torch.export.export(Model(), (torch.ones(2),), strict=False)
+record("after export")
+torch.backends.cudnn.deterministic = True
+
+@torch.compile(backend="eager")
+def compiled(x):
+    with sdpa_kernel(M):
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x)
+compiled(torch.ones(1, 1, 4, 8))
+record("after a compiled sdpa_kernel")
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(TORCH_VERSION.release < (2, 3), reason="no sdpa_kernel, nor export's backend switches, before 2.3")
+def test_switch_overrides_in_one_thread_are_torchs():
+    # sdpa_kernel (nested, with the user's settings inside, with a priority, with a bad backend), an export whose
+    # model sets a switch the export changed, and sdpa_kernel in compiled code: the same switches at every step.
+    # The one difference: a setting the export does not change (cudnn.deterministic), made by the model while it is
+    # exported, stays after it; torch 2.11+ writes back cudnn's whole saved tuple (what undoes other threads' settings).
+    with_fix, without = (run_ok(ONE_THREAD_SWITCHES, disable=disable).json() for disable in (None, "1"))
+    after_export = [step[0] for step in without].index("after export")
+    torch_undoes_it = TORCH_VERSION.release >= (2, 11)
+    assert (with_fix[after_export][3][3], without[after_export][3][3]) == (False, torch_undoes_it)
+    with_fix[after_export][3][3] = torch_undoes_it
+    assert with_fix == without
