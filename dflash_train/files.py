@@ -152,12 +152,12 @@ def private_compile_caches(cache_dir: str) -> None:
 def _check_private(folder: Path, variable: str) -> None:
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = folder.stat()
+        info, link = folder.stat(), folder.lstat()  # a symbolic link's owner could point it elsewhere
     except OSError as e:
         raise ConfigError(f"compile cache {folder} ({variable}): {e.strerror}") from e
-    me = os.geteuid()
-    if info.st_uid != me:
-        problem = f"is owned by another user (uid {info.st_uid})"
+    owner = next((uid for uid in (link.st_uid, info.st_uid) if uid != os.geteuid()), None)
+    if owner is not None:
+        problem = f"is owned by another user (uid {owner})"
     elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         problem = f"can be written by other users (mode {stat.filemode(info.st_mode)})"
     else:

@@ -208,20 +208,29 @@ def test_the_compile_cache_is_a_private_folder_of_the_cache_dir(tmp_path, main_e
     assert cache_dir() == str(folder)  # where Inductor writes and imports its code
 
 
-@pytest.mark.parametrize("who", ["others can write", "another user owns", "another user owns TRITON_CACHE_DIR"])
+@pytest.mark.parametrize(
+    "who", ["others can write", "another user owns", "another user owns the link", "another user owns TRITON_CACHE_DIR"]
+)
 def test_a_compile_cache_that_is_not_private_is_refused(tmp_path, capsys, main_env, who):  # noqa: F811
     folder = tmp_path / "cache" / "inductor"
-    folder.mkdir(parents=True)
+    folder.parent.mkdir()
     os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     variable = "TORCHINDUCTOR_CACHE_DIR"
     if who == "others can write":
+        folder.mkdir(mode=0o777)
         folder.chmod(0o777)
         problem = "can be written by other users (mode drwxrwxrwx)"
     else:
         if os.geteuid() != 0:
             pytest.skip("a folder another user owns is made by root (chown to nobody)")
-        os.chown(folder, 65534, 65534)
         problem = "is owned by another user (uid 65534)"
+        if who.endswith("the link"):  # to a folder of mine: its owner could point it to theirs
+            (tmp_path / "mine").mkdir(mode=0o700)
+            folder.symlink_to(tmp_path / "mine")
+            os.lchown(folder, 65534, 65534)
+        else:
+            folder.mkdir()
+            os.chown(folder, 65534, 65534)
         if who.endswith("TRITON_CACHE_DIR"):
             variable = "TRITON_CACHE_DIR"
             os.environ[variable] = str(folder)
