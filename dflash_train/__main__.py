@@ -8,12 +8,20 @@ and only then import torch and the trainer.
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import sys
 import threading
 
 from .config import ConfigError, Ranks, TrainConfig, build_parser, make_config, read_config_file
+from .files import OutOfSpace, private_compile_caches
 
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+
+def exit_status(signum: int) -> int:
+    """A process stopped by a signal exits as the shell reports one killed by it: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signum
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ranks = Ranks.from_env()
     # Under torchrun every rank reports its own failure; rank 0 alone reports the rest.
     me = f"dflash-train (rank {ranks.rank})" if ranks.world_size > 1 else "dflash-train"
+    try:
+        private_compile_caches(args.get("cache_dir", TrainConfig.cache_dir))  # read when torch compiles
+    except ConfigError as e:
+        parser.exit(EXIT_USAGE, f"{me}: error: {e}\n")
 
     import torchfix  # noqa: F401  (the whole answer to threads + torch.compile; see README)
 
@@ -48,25 +60,33 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerFailed as e:
         print(f"{me}: {e}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
+    except OutOfSpace as e:
+        print(f"{me}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt as e:  # a second stop signal (workers.Interrupted), or Ctrl-C outside the training
         print(f"{me}: interrupted", file=sys.stderr, flush=True)
+        status = exit_status(getattr(e, "signum", signal.SIGINT))
         if threading.active_count() > 1:
             # Quit at once, workers and all: tearing the interpreter down under a thread still inside a
             # torch op can abort the process ("terminate called without an active exception").
             sys.stdout.flush()
-            os._exit(EXIT_INTERRUPTED)
-        return EXIT_INTERRUPTED
+            os._exit(status)
+        return status
     if not ranks.is_main:
         # Even when interrupted: torchrun stops every rank when one exits non-zero, and rank 0 may still be
         # writing its checkpoint. Rank 0's exit status speaks for the job.
         return 0
     if result.interrupted:
+        command = (
+            ["dflash-train"] if os.path.basename(sys.argv[0]) == "dflash-train" else ["python", "-m", "dflash_train"]
+        )
+        again = [*command, *argv, *([] if cfg.resume else ["--resume"])]
         print(
             f"dflash-train: interrupted at step {result.steps_done}; checkpoint saved in {result.out_dir}. "
-            "Continue with --resume.",
+            f"Continue with: {shlex.join(again)}",
             file=sys.stderr,
         )
-        return EXIT_INTERRUPTED
+        return exit_status(result.stop_signal or signal.SIGINT)
     line = f"done: {result.steps_done} steps in {result.wall_s:.0f} s"
     if result.tokens_per_s:
         line += f", {result.tokens_per_s:,.0f} tokens/s"

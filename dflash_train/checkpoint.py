@@ -2,22 +2,21 @@
 (``export`` turns one into the folder a serving stack loads).
 
 Replicas are identical, so replica 0 speaks for all. The frozen embedding and LM head belong to the
-target and are not stored. The file is replaced atomically, so an interrupted save leaves the
-previous checkpoint intact.
+target and are not stored. The file is written whole, to the disk, before it replaces the last one
+(``files.save_safetensors``): an interrupted save leaves the previous checkpoint intact.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .config import ConfigError, TrainConfig
+from .files import save_safetensors
 from .model import Drafter
 
 FORMAT = "dflash_train.checkpoint/1"
@@ -70,9 +69,7 @@ def save_checkpoint(
         "target_path": target_path,
         "optimizer_param_groups": json.dumps(opt["param_groups"]),
     }
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    save_safetensors(path, tensors, metadata)
 
 
 def load_checkpoint(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ from .target import Target
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+# Written last into every export: the names of the files it wrote. A folder holding it and only those files is
+# an earlier export, which a new one may replace; export writes into no other folder that is not empty.
+MARKER = ".dflash_train_export.json"
 # A drafter layer's attention parts, which the reference nests in ``self_attn``.
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
@@ -55,20 +59,53 @@ def write_export(
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: use {' or '.join(DTYPES)}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not (out_dir / CONFIG).is_file() and any(out_dir.iterdir()):
-        raise ConfigError(f"{out_dir} exists and is not an exported drafter: give an empty or new folder")
+    check_export_folder(out_dir)
     config = Qwen3Config.from_dict(config.to_dict())  # a copy: the live drafter's config stays as it is
     config.dtype = dtype
     config.dflash_train = {"target": target_path, "tokenizer": _tokenizer_of(target_path)}
     tensors = {reference_key(k): v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in weights.items()}
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _new_sibling(out_dir, "tmp")
     tmp.mkdir(parents=True)
     config.to_json_file(tmp / CONFIG, use_diff=False)
     save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    (tmp / MARKER).write_text(json.dumps({"written_by": "dflash_train export", "files": sorted(os.listdir(tmp))}))
+    if out_dir.exists():  # empty or an earlier export (checked above): a rename cannot replace a folder
+        old = _new_sibling(out_dir, "old")
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out_dir)
     return out_dir
+
+
+def _new_sibling(folder: Path, what: str) -> Path:
+    """A name beside ``folder`` that nothing has."""
+    return folder.with_name(f".{folder.name}.{what}-{uuid.uuid4().hex[:12]}")
+
+
+def check_export_folder(out_dir: Path) -> None:
+    """Raise ConfigError unless ``out_dir`` is missing, empty, or an earlier export holding only what it wrote."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ConfigError(f"export folder {out_dir} is a file: give a new or empty folder")
+    present = set(os.listdir(out_dir))
+    if not present:
+        return
+    try:
+        written = set(json.loads((out_dir / MARKER).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(
+            f"export folder {out_dir} holds files and is not an exported drafter (no {MARKER} in it): give a new or "
+            "empty folder"
+        ) from None
+    if present - written - {MARKER}:
+        extra = ", ".join(sorted(present - written - {MARKER}))
+        raise ConfigError(
+            f"export folder {out_dir} is an earlier export with files added ({extra}): give a new or empty folder, "
+            "or move them out"
+        )
 
 
 def _tokenizer_of(target_path: str) -> str:

@@ -3,27 +3,42 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from .config import ConfigError
+from .files import replace_text
 
 
 class MetricsLog:
-    """Appends records to ``metrics.jsonl``. Every record has a ``type`` (train, eval, first_step, dynamo
-    or summary) and ``elapsed_s``, the seconds since this run started. ``path`` None (the ranks other
-    than 0 of a torchrun job) writes nothing.
+    """Appends records to ``metrics.jsonl``. Every record has a ``type`` (train, eval, first_step, dynamo,
+    memory, summary, resume) and ``elapsed_s``, the seconds since this run started. ``path`` None (the ranks
+    other than 0 of a torchrun job) writes nothing.
+
+    A run resumed at step ``resumed_at`` continues the file as an uninterrupted run would have written it (see
+    ``continue_metrics``), after a ``resume`` record; any other run starts it anew.
 
     With ``tensorboard`` (a folder), the numbers of every record that has a ``step`` (train, eval) are also
     TensorBoard scalars, tagged ``type/name``, at that step: torch's own ``SummaryWriter``, which needs the
     ``tensorboard`` package."""
 
-    def __init__(self, path: Path | None, *, append: bool, started: float, tensorboard: Path | None = None):
+    def __init__(
+        self, path: Path | None, *, resumed_at: int | None, started: float, tensorboard: Path | None = None
+    ) -> None:
         self.path = path
         self.started = started
         self._board = _summary_writer(tensorboard) if path is not None and tensorboard is not None else None
-        self._file = path.open("a" if append else "w") if path is not None else None
+        self._file = None
+        if path is None:
+            return
+        if resumed_at is None:
+            self._file = path.open("w")
+            return
+        dropped = continue_metrics(path, resumed_at) if path.is_file() else 0
+        self._file = path.open("a")
+        self.write("resume", step=resumed_at, dropped_records=dropped)
 
     def write(self, record_type: str, **fields: Any) -> None:
         if self._file is None:
@@ -57,8 +72,39 @@ def _summary_writer(folder: Path) -> Any:
     return SummaryWriter(log_dir=str(folder))
 
 
+def continue_metrics(path: Path, resumed_at: int) -> int:
+    """Make ``path`` fit for a run resumed at step ``resumed_at`` to append to: drop the records of later steps
+    (written by the run that was stopped after its last checkpoint: the resumed run does those steps again)
+    and any torn line (a kill in the middle of a write), with a warning. Returns how many records it dropped."""
+    records = read_metrics(path)
+    kept = [r for r in records if r.get("step", 0) <= resumed_at]
+    if len(kept) < len(records):
+        print(
+            f"dflash-train: warning: {path}: dropped {len(records) - len(kept)} records of the steps after "
+            f"{resumed_at} (the checkpoint's), which this run does again",
+            file=sys.stderr,
+        )
+    replace_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return len(records) - len(kept)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a metrics file; a line that is not one (torn by a kill) is skipped, with a warning."""
+    records, torn = [], []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            torn.append(number)
+            continue
+        if isinstance(record, dict) and "type" in record:
+            records.append(record)
+        elif record is not None:
+            torn.append(number)
+    if torn:
+        lines = ", ".join(map(str, torn))
+        print(f"dflash-train: warning: {path}: skipped line {lines}, not a record (a write cut short)", file=sys.stderr)
+    return records
 
 
 def plot_metrics(metrics: Path, png: Path) -> None:

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 from transformers import (
@@ -31,6 +32,7 @@ from transformers.utils import logging as hf_logging
 
 from .config import ConfigError, TrainConfig
 from .data import ByteTokenizer, Corpus, HFTokenizer, Tokenizer, TrainingData, batch_for_step
+from .files import save_safetensors
 
 # Loading and saving print their own progress bars; ours (target training, drafter steps) say more.
 hf_logging.disable_progress_bar()
@@ -192,6 +194,17 @@ def train_tiny_target(cfg: TrainConfig, corpus: Corpus, device: torch.device, ou
     os.replace(tmp, out)
 
 
+def _damage(cached: Path) -> str | None:
+    """What keeps a cached tiny target from loading (a file cut short by a crash, say); None if nothing."""
+    try:
+        json.loads((cached / "config.json").read_text())
+        with safe_open(str(cached / "model.safetensors"), framework="pt"):
+            pass  # opening checks that the file holds all the tensors its header lists
+    except (OSError, ValueError, SafetensorError) as e:
+        return str(e)
+    return None
+
+
 def prepare_target(cfg: TrainConfig, device: torch.device) -> tuple[str, Tokenizer, Corpus]:
     """The target's local folder, its tokenizer, and the training text tokenised with it.
 
@@ -202,7 +215,10 @@ def prepare_target(cfg: TrainConfig, device: torch.device) -> tuple[str, Tokeniz
         tokenizer: Tokenizer = ByteTokenizer()
         corpus = Corpus.load(cfg.data, tokenizer)
         path = _tiny_target_dir(cfg, corpus)
-        if not (path / "config.json").is_file():
+        damage = _damage(path)
+        if damage is not None:
+            if path.exists():
+                print(f"dflash-train: warning: the cached tiny target {path} is damaged ({damage})", file=sys.stderr)
             print(f"training the tiny target ({cfg.tiny_target_steps} steps), cached in {path}", flush=True)
             train_tiny_target(cfg, corpus, device, path)
         return str(path), tokenizer, corpus
@@ -255,8 +271,11 @@ def regenerate(
         Path(cfg.cache_dir).expanduser() / f"regenerated-{hashlib.sha256(key.encode()).hexdigest()[:12]}.safetensors"
     )
     if cached.is_file():
-        saved = load_file(cached)
-        return TrainingData(saved["input_ids"], saved["supervised"].bool())
+        try:
+            saved = load_file(cached)
+            return TrainingData(saved["input_ids"], saved["supervised"].bool())
+        except (SafetensorError, KeyError) as e:
+            print(f"dflash-train: warning: the cached data {cached} is damaged ({e}); making it again", file=sys.stderr)
     rows, masks = [], []
     batches = range(0, cfg.regenerate, REGEN_BATCH)
     for i in tqdm(batches, desc="regenerating data", disable=not cfg.progress, dynamic_ncols=True):
@@ -281,9 +300,7 @@ def regenerate(
             masks.append([False] * len(prompt) + [True] * len(written) + [False] * filler)
     data = TrainingData(torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.bool))
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-    save_file({"input_ids": data.tokens, "supervised": data.supervised.to(torch.uint8)}, str(tmp))
-    os.replace(tmp, cached)
+    save_safetensors(cached, {"input_ids": data.tokens, "supervised": data.supervised.to(torch.uint8)})
     return data
 
 

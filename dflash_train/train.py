@@ -13,6 +13,7 @@ import copy
 import math
 import os
 import queue
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,13 +32,14 @@ from .config import ConfigError, Ranks, TrainConfig, parse_devices
 from .data import TrainingData, eval_prompts
 from .distributed import Collectives
 from .evaluate import acceptance_length, show_blocks
-from .export import write_export
+from .export import check_export_folder, write_export
+from .files import RunLock, remove_leftovers
 from .flops import peak_flops, step_flops
 from .model import Drafter, drafter_config, make_replicas
 from .profiling import StepProfiler
 from .report import MetricsLog, plot_metrics
 from .target import Target, load_target, prepare_target, regenerate
-from .workers import Job, StepSync, Turnstile, Watchdog, drafter_worker, stop_on_ctrl_c, target_worker
+from .workers import Job, StepSync, Turnstile, Watchdog, drafter_worker, stop_on_signals, target_worker
 
 
 @dataclass
@@ -49,11 +51,12 @@ class TrainResult:
     tokens_per_s: float | None  # context tokens through target and drafter, after the first (compiling) step
     mfu: float | None  # model FLOPs utilisation at that rate (see flops.py); None on CPUs and unknown GPUs
     wall_s: float
-    interrupted: bool  # stopped by Ctrl-C (a checkpoint was saved)
+    interrupted: bool  # stopped by Ctrl-C or SIGTERM, on this rank or another (a checkpoint was saved)
     out_dir: Path
     drafters: list[Drafter]  # the trained replicas, identical: drafters[0] speaks for all
     first_step_s: dict[str, float]  # seconds from the job's start to each drafter thread's first step done
     dynamo: dict[str, object]  # what torch.compile did in this process (see dynamo_summary)
+    stop_signal: signal.Signals | None  # the signal that stopped it here (SIGINT, SIGTERM), if one did
 
 
 def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
@@ -165,6 +168,7 @@ class Trainer:
         self.metrics: MetricsLog | None = None
         self.collectives: Collectives | None = None
         self.profiler: StepProfiler | None = None
+        self.lock: RunLock | None = None
         try:
             self._build(config)
         except BaseException:
@@ -182,6 +186,12 @@ class Trainer:
                 "several hosts, --out-dir must be on a filesystem they share)"
             )
         out.mkdir(parents=True, exist_ok=True)
+        if ranks.is_main:  # the rank that writes there
+            self.lock = RunLock(out)
+            if leftovers := remove_leftovers(out):
+                print(f"dflash-train: removed what an interrupted save left in {out}: {', '.join(leftovers)}")
+        if cfg.export:  # refused now rather than after the training
+            check_export_folder(Path(cfg.export))
         offset = cuda_offset(cfg, ranks)
         self.target_devices = resolve_devices(cfg.target_devices, "--target-devices", offset)
         self.drafter_devices = [
@@ -222,7 +232,7 @@ class Trainer:
         self.end = min(cfg.steps, self.start + cfg.stop_after) if cfg.stop_after else cfg.steps
         self.metrics = MetricsLog(
             out / "metrics.jsonl" if ranks.is_main else None,
-            append=cfg.resume,
+            resumed_at=self.start if cfg.resume else None,
             started=self.started,
             tensorboard=Path(cfg.tensorboard) if cfg.tensorboard else None,
         )
@@ -399,26 +409,30 @@ class Trainer:
             self.replicas,
             run.first_step_s,
             dynamo,
+            run.stop_signal,
         )
 
     def close(self) -> None:
-        """Close the metrics file, a profile left open and the process group, whether the job finished or failed."""
+        """Close the metrics file, a profile left open, the process group and the out-dir lock, whether the job
+        finished or failed."""
         if self.profiler is not None:
             self.profiler.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.collectives is not None:
             self.collectives.close()
+        if self.lock is not None:
+            self.lock.release()
 
     # --- the threads around the steps -------------------------------------------------------------------
 
     def _run_threads(self) -> _Run:
         """Steps [start, end): one thread per target and per replica, joined by bounded queues (target to
         replica) and the replicas' barrier; the main thread reports progress until they finish, under the
-        watchdog and the Ctrl-C handler."""
+        watchdog and the handler of Ctrl-C and SIGTERM."""
         cfg, start, end = self.cfg, self.start, self.end
         if start >= end:
-            return _Run(start, None, None, False, {})
+            return _Run(start, None, None, False, {}, None)
         job = self.job = Job(self.started)
         self.sync = StepSync(self.replicas, job, self.collectives, cfg.grad_clip)
         inboxes: list[queue.Queue] = [queue.Queue(maxsize=cfg.queue_size) for _ in self.replicas]
@@ -442,7 +456,7 @@ class Trainer:
                 fault=fault if index == last else "",  # on the last drafter thread
             )
             job.start(f"drafter-{index} ({device})", streams.on_own_stream(device, per_thread, work))
-        with Watchdog(job, cfg.watchdog_timeout), stop_on_ctrl_c(job):
+        with Watchdog(job, cfg.watchdog_timeout), stop_on_signals(job):
             try:
                 run = self._follow(job, inboxes)
             finally:
@@ -467,7 +481,8 @@ class Trainer:
         with tqdm(total=end, initial=start, desc="drafter", unit="step", disable=not show, dynamic_ncols=True) as bar:
             while job.failure is None:
                 if job.stop_requested.is_set() and not announced_stop:
-                    bar.write("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to quit at once)")
+                    name = "Ctrl-C" if job.stop_signal == signal.SIGINT else job.stop_signal.name
+                    bar.write(f"{name}: finishing this step and saving a checkpoint ({name} again to quit at once)")
                     announced_stop = True
                 try:
                     event = job.events.get(timeout=0.2)
@@ -492,8 +507,8 @@ class Trainer:
                 self.metrics.write("train", **event, tokens_per_s=rate, mfu=self.mfu(rate), queue_depth=depth)
                 bar.update(done - bar.n)
                 bar.set_postfix(loss=f"{loss:.3f}", acc=f"{event['acc']:.2f}", tok_s=f"{rate or 0:.0f}", queue=depth)
-        # Stopped early: by Ctrl-C, here or on another rank (the stop decision is the job's).
-        return _Run(done, loss, rate, done < end, first_step_s)
+        # Stopped early: by Ctrl-C or SIGTERM, here or on another rank (the stop decision is the job's).
+        return _Run(done, loss, rate, done < end, first_step_s, job.stop_signal)
 
 
 def peak_memory(devices: set[torch.device]) -> dict[str, float]:
@@ -534,3 +549,4 @@ class _Run:
     tokens_per_s: float | None
     interrupted: bool
     first_step_s: dict[str, float]
+    stop_signal: signal.Signals | None

@@ -29,6 +29,7 @@ from . import streams
 from .batch import StepBatch
 from .config import FAULT_SPEC
 from .distributed import Collectives
+from .files import OutOfSpace
 from .model import Drafter
 
 EXIT_WATCHDOG = 3
@@ -49,9 +50,10 @@ class _Leave(Exception):
 class Job:
     def __init__(self, started: float) -> None:
         self.started = started  # time.monotonic() at the start of the whole job (first-step times)
-        self.stop_requested = threading.Event()  # Ctrl-C: finish the current step, checkpoint, leave
+        self.stop_requested = threading.Event()  # Ctrl-C, SIGTERM: finish the current step, checkpoint, leave
+        self.stop_signal: signal.Signals | None = None  # the signal that asked
         self.shutdown = threading.Event()  # every worker must leave now
-        self.failure: WorkerFailed | None = None
+        self.failure: WorkerFailed | OutOfSpace | None = None
         self.events: queue.Queue[dict] = queue.Queue()  # step reports for the main thread
         self.last_progress = time.monotonic()
         self._failure_lock = threading.Lock()  # the first failure wins
@@ -70,9 +72,11 @@ class Job:
             fn()
 
     def fail(self, worker: str) -> None:
+        error = sys.exc_info()[1]
         with self._failure_lock:
             if self.failure is None:
-                self.failure = WorkerFailed(worker, traceback.format_exc())
+                # A full disk is no bug of ours: its one line says all, without a traceback.
+                self.failure = error if isinstance(error, OutOfSpace) else WorkerFailed(worker, traceback.format_exc())
         self.close()
 
     def start(self, name: str, fn: Callable[[], None]) -> None:
@@ -311,31 +315,45 @@ def drafter_worker(
             return
 
 
-# --- Ctrl-C -------------------------------------------------------------------------------------------
+# --- Ctrl-C and SIGTERM -------------------------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; what schedulers (Slurm, Kubernetes) send first
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second stop signal: quit at once, with the exit status of ``signum`` (128 + its number)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @contextlib.contextmanager
-def stop_on_ctrl_c(job: Job) -> Iterator[None]:
-    """While training: the first Ctrl-C (SIGINT) asks every replica to stop after the current step (replica 0
-    then saves a checkpoint), the second quits at once.
+def stop_on_signals(job: Job) -> Iterator[None]:
+    """While training: the first SIGINT (Ctrl-C) or SIGTERM asks every replica to stop after the current step
+    (replica 0 then saves a checkpoint), a second one quits at once (``Interrupted``).
 
     A handler that sets an event, rather than Python's KeyboardInterrupt: that is raised between any two
-    bytecodes of the main thread, in the middle of a report or inside a queue's locked section. A process
-    that inherited SIGINT ignored (started with ``&`` from a script) keeps ignoring it, as Python does."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    bytecodes of the main thread, in the middle of a report or inside a queue's locked section. A signal the
+    process inherited ignored (SIGINT of a job started with ``&`` from a script) stays ignored, as Python does."""
+    if threading.current_thread() is not threading.main_thread():
         yield  # handlers can be set in the main thread only
         return
 
-    def on_sigint(signum: int, frame: object) -> None:
+    def on_signal(signum: int, frame: object) -> None:
         if job.stop_requested.is_set():
-            raise KeyboardInterrupt
+            raise Interrupted(signum)
+        job.stop_signal = signal.Signals(signum)
         job.stop_requested.set()
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    for signum in previous:
+        signal.signal(signum, on_signal)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # --- watchdog -----------------------------------------------------------------------------------------
