@@ -116,7 +116,7 @@ def test_local_hugging_face_model_and_tokenizer(tiny, tmp_path):
         vocab_size=320,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=4,
+        num_hidden_layers=5,  # a 2-layer drafter taps layers 1 and 2 (of 1 to L-3)
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
