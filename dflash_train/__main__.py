@@ -26,9 +26,9 @@ TRAIN_EXTRA = ("transformers", "safetensors", "tqdm", "matplotlib")
 def command_line_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
     """The run's config: the defaults, the --config file, the flags; with --resume, the resumed run's saved
     settings in place of the defaults. Resolved, its paths checked; no torch. Raises ConfigError."""
-    given = ([(read_config_file(config_file), config_file)] if config_file is not None else []) + [
-        (flags, "command line")
-    ]
+    given = [(flags, "command line")]
+    if config_file is not None:
+        given.insert(0, (read_config_file(config_file), config_file))
 
     def apply(cfg: TrainConfig) -> TrainConfig:
         for values, source in given:
@@ -43,16 +43,21 @@ def command_line_config(config_file: str | None, flags: dict[str, Any]) -> Train
     return cfg
 
 
-def missing_modules(names: tuple[str, ...]) -> list[str]:
+def check_train_extra() -> None:
+    """The modules of the `train` extra are installed, or one ConfigError says how to install them."""
     missing = []
-    for name in names:
+    for name in TRAIN_EXTRA:
         try:
             found = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):  # ValueError: sys.modules holds None for it (an import blocked)
             found = False
         if not found:
             missing.append(name)
-    return missing
+    if missing:
+        raise ConfigError(
+            f"the trainer needs the 'train' extra, which is not installed (no {', '.join(missing)}): "
+            "pip install -e '.[train]' in a checkout of torchfix"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,14 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ranks = Ranks.from_env()
     # Under torchrun every rank reports its own failure; rank 0 alone reports the rest.
     me = f"dflash-train (rank {ranks.rank})" if ranks.world_size > 1 else "dflash-train"
-    missing = missing_modules(TRAIN_EXTRA)
-    if missing:
-        parser.exit(
-            EXIT_USAGE,
-            f"{me}: error: the trainer needs the 'train' extra, which is not installed (no {', '.join(missing)}): "
-            "pip install -e '.[train]' in a checkout of torchfix\n",
-        )
     try:
+        check_train_extra()
         cfg = command_line_config(config_file, args)
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"{me}: error: {e}\n")
@@ -165,9 +164,7 @@ def export_main(argv: list[str]) -> int:
         if not run.is_dir():
             raise ConfigError(f"RUN_DIR {run} {'is not a folder' if run.exists() else 'does not exist'}")
         run_dir.check_folder(args.out_dir, "OUT_DIR", create=False)
-        missing = missing_modules(TRAIN_EXTRA)
-        if missing:
-            raise ConfigError(f"export needs the 'train' extra (no {', '.join(missing)}): pip install -e '.[train]'")
+        check_train_extra()
         from .export import export_run
 
         out = export_run(args.run_dir, args.out_dir, dtype=args.dtype)

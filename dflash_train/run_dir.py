@@ -88,14 +88,12 @@ def check_paths(cfg: TrainConfig, ranks: Ranks | None = None) -> None:
                 f"--resume: no checkpoint at {out / CHECKPOINT} ({missing}; under torchrun on several hosts, "
                 "--out-dir must be on a filesystem they share)"
             )
-        changed = {name for name, _, _ in changes_since_start(cfg)}
-        for name in TrainConfig.MODEL_FIELDS:
-            if name in changed:
-                saved = saved_config(out)
+        for name, started, now in changes_since_start(cfg):
+            if name in TrainConfig.MODEL_FIELDS:
                 raise ConfigError(
                     f"--resume: the run in {out} is incompatible with this one: it was started with {_flag(name)} "
-                    f"{getattr(saved, name)!r}, and its checkpoint cannot go on with {_flag(name)} "
-                    f"{getattr(cfg, name)!r} (start a new run in another --out-dir)"
+                    f"{started!r}, and its checkpoint cannot go on with {_flag(name)} {now!r} (start a new run in "
+                    "another --out-dir)"
                 )
     if ranks.is_main and cfg.tensorboard:
         check_folder(cfg.tensorboard, "--tensorboard", create=False)
@@ -173,7 +171,7 @@ def _checkpoint_metadata(path: Path) -> dict[str, str]:
 
 def changes_since_start(cfg: TrainConfig) -> list[tuple[str, Any, Any]]:
     """(field, value at the start, value now) for each saved setting ``cfg`` changes in the run it resumes."""
-    saved = saved_config(Path(cfg.out_dir)).resolved().to_dict()
+    saved = saved_config(Path(cfg.out_dir)).to_dict()  # saved resolved
     now = cfg.to_dict()
     # The folder is the one given (the same run, maybe by another path); invocation fields are not saved.
     unsaved = {"out_dir", *TrainConfig.INVOCATION_FIELDS}

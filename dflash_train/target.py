@@ -122,6 +122,8 @@ TINY_QWEN3 = dict(
     max_position_embeddings=2048,
     tie_word_embeddings=True,
 )
+# In the tiny target's folder: its training steps and final loss (and that it is the tiny target).
+TINY_MARKER = "dflash_train.json"
 TINY_RECIPE = dict(batch_size=8, seq_len=128, lr=1e-2, warmup=20, min_lr_ratio=0.1, weight_decay=0.01)
 
 
@@ -177,7 +179,7 @@ def train_tiny_target(cfg: TrainConfig, corpus: Corpus, device: torch.device, ou
     print(f"tiny target: {bits:.2f} bits/byte; a sample: {ByteTokenizer().decode(sample[0].tolist())!r}")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
-    (tmp / "dflash_train.json").write_text(json.dumps({"steps": steps, "final_loss": loss_ema}))
+    (tmp / TINY_MARKER).write_text(json.dumps({"steps": steps, "final_loss": loss_ema}))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 

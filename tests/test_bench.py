@@ -147,3 +147,14 @@ def test_cost_refuses_a_fix_name_it_does_not_know_before_any_run(tmp_path):
     )
     assert proc.returncode == 1 and "no fix named no-such-fix" in proc.stderr, proc.stderr
     assert not (tmp_path / "cost-state" / "runs.jsonl").exists()
+
+
+def test_help_names_the_benchmarks_and_an_unknown_one_is_refused():
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO, capture_output=True, text=True)
+
+    helped = bench("--help")
+    assert helped.returncode == 0 and "[NAME ...]" in helped.stdout and "{[]" not in helped.stdout
+    assert "overhead, coldstart, trainer, cudagraphs, cost (default: all)" in " ".join(helped.stdout.split())
+    refused = bench("nope")
+    assert refused.returncode == 2 and "unknown benchmark nope: choose from overhead," in refused.stderr

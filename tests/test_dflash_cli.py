@@ -227,7 +227,11 @@ def test_export_command_bad_input_gets_one_clear_message(tmp_path, capsys, main_
         main(["export", str(tmp_path / "no-run"), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("dflash-train export: error: ") and "Traceback" not in err
-    assert "no checkpoint.safetensors" in err and not (tmp_path / "out").exists()
+    assert f"RUN_DIR {tmp_path / 'no-run'} does not exist" in err and not (tmp_path / "out").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(["export", str(tmp_path / "empty"), str(tmp_path / "out")])
+    assert "no checkpoint.safetensors" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 # --- the run folder: never lost, resumed with its own settings (issue 28) ---------------------------------
@@ -311,6 +315,8 @@ def test_mistakes_are_one_line_and_exit_2_before_torch_is_imported(tmp_path):
         assert len(ran.stderr.splitlines()) == 1 and message in ran.stderr, (args, ran.stderr)
         assert ran.stdout == "torch not imported\n", (args, ran.stdout)
     assert a_file.read_text() == "mine" and not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+    helped = run_main(["--help"])
+    assert helped.returncode == 0 and "python -m dflash_train export RUN_DIR OUT_DIR" in " ".join(helped.stdout.split())
     missing = run_main(tiny_flags(tmp_path), setup="sys.modules['tqdm'] = None  # as if it were not installed")
     assert missing.returncode == 2 and missing.stdout == "torch not imported\n"
     assert missing.stderr == (
