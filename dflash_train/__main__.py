@@ -153,7 +153,8 @@ def export_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash-train export",
         description="Write a run's drafter (RUN_DIR/checkpoint.safetensors) as a Hugging Face style folder: "
-        "config.json and model.safetensors in the layout of DFlash inference code (z-lab/dflash, SGLang, vLLM).",
+        "config.json and model.safetensors in the layout of DFlash inference code (z-lab/dflash, SGLang, vLLM), and "
+        "README.md, a model card with their launch settings.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out-dir of a dflash_train run")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (replaced if it is an earlier export)")
@@ -170,7 +171,7 @@ def export_main(argv: list[str]) -> int:
         out = export_run(args.run_dir, args.out_dir, dtype=args.dtype)
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"dflash-train export: error: {e}\n")
-    print(f"exported {args.run_dir} to {out}: config.json, model.safetensors")
+    print(f"exported {args.run_dir} to {out}: config.json, model.safetensors, README.md")
     return 0
 
 

@@ -170,7 +170,8 @@ class RunSection:
     export: str = _opt(
         "",
         "after training, also write the drafter to this folder as DFlash serving code loads it (config.json, "
-        "model.safetensors in bf16; what `python -m dflash_train export RUN_DIR OUT_DIR` writes); '': do not",
+        "model.safetensors in bf16, README.md; what 'python -m dflash_train export RUN_DIR OUT_DIR' writes); '': "
+        "do not",
         metavar="PATH",
     )
     resume: bool = _opt(
