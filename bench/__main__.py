@@ -22,7 +22,9 @@ BENCHMARKS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("names", nargs="*", choices=[[], *BENCHMARKS], help="benchmarks to run (default: all)")
+    parser.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHMARKS)} (default: all)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     parser.add_argument("--out", default="bench/results", help="where to write <name>.json")
     parser.add_argument("--device", default="cpu", help="device for coldstart and trainer (cpu, cuda:0, ...)")
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         "--resume", action="store_true", help="cost: go on with the runs an interrupted run recorded in OUT/cost-state"
     )
     args = parser.parse_args(argv)
+    unknown = [name for name in args.names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark {', '.join(unknown)}: choose from {', '.join(BENCHMARKS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.names or list(BENCHMARKS):

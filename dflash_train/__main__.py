@@ -1,27 +1,70 @@
 """``python -m dflash_train`` / ``dflash-train``: the command line of the trainer.
 
-The order matters: parse the flags without importing torch, honour ``--no-torchfix`` by setting
-``TORCHFIX_DISABLE=1``, then ``import torchfix`` (the one line that makes threaded compilation safe),
+The order matters: parse and check the flags and paths without importing torch (a mistake is one line in the
+first second, not a traceback after torch's import or the target's training), honour ``--no-torchfix`` by
+setting ``TORCHFIX_DISABLE=1``, then ``import torchfix`` (the one line that makes threaded compilation safe),
 and only then import torch and the trainer.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shlex
 import signal
 import sys
 import threading
+from pathlib import Path
+from typing import Any
 
+from . import run_dir
 from .config import ConfigError, Ranks, TrainConfig, build_parser, make_config, read_config_file
 from .files import OutOfSpace, private_compile_caches
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
+# What the trainer imports beyond torchfix's own dependencies: the `train` extra (pyproject.toml).
+TRAIN_EXTRA = ("transformers", "safetensors", "tqdm", "matplotlib")
 
 
 def exit_status(signum: int) -> int:
     """A process stopped by a signal exits as the shell reports one killed by it: 130 for SIGINT, 143 for SIGTERM."""
     return 128 + signum
+
+
+def command_line_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
+    """The run's config: the defaults, the --config file, the flags; with --resume, the resumed run's saved
+    settings in place of the defaults. Resolved, its paths checked; no torch. Raises ConfigError."""
+    given = [(flags, "command line")]
+    if config_file is not None:
+        given.insert(0, (read_config_file(config_file), config_file))
+
+    def apply(cfg: TrainConfig) -> TrainConfig:
+        for values, source in given:
+            cfg = make_config(cfg, values, source)
+        return cfg
+
+    cfg = apply(TrainConfig())
+    if cfg.resume and (Path(cfg.out_dir) / run_dir.CHECKPOINT).is_file():
+        cfg = apply(run_dir.saved_config(Path(cfg.out_dir)))
+    cfg = cfg.resolved()
+    run_dir.check_paths(cfg)
+    return cfg
+
+
+def check_train_extra() -> None:
+    """The modules of the `train` extra are installed, or one ConfigError says how to install them."""
+    missing = []
+    for name in TRAIN_EXTRA:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # ValueError: sys.modules holds None for it (an import blocked)
+            found = False
+        if not found:
+            missing.append(name)
+    if missing:
+        raise ConfigError(
+            f"the trainer needs the 'train' extra, which is not installed (no {', '.join(missing)}): "
+            "pip install -e '.[train]' in a checkout of torchfix"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun every rank reports its own failure; rank 0 alone reports the rest.
     me = f"dflash-train (rank {ranks.rank})" if ranks.world_size > 1 else "dflash-train"
     try:
-        private_compile_caches(args.get("cache_dir", TrainConfig.cache_dir))  # read when torch compiles
+        check_train_extra()
+        cfg = command_line_config(config_file, args)
+        private_compile_caches(cfg.cache_dir)  # before torch is imported: Inductor reads it then
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"{me}: error: {e}\n")
 
@@ -50,10 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     from .workers import WorkerFailed
 
     try:
-        cfg = TrainConfig()
-        if config_file is not None:
-            cfg = make_config(cfg, read_config_file(config_file), config_file)
-        cfg = make_config(cfg, args, "command line").resolved()
         result = train(cfg)
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"{me}: error: {e}\n")
@@ -77,13 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         # writing its checkpoint. Rank 0's exit status speaks for the job.
         return 0
     if result.interrupted:
-        command = (
-            ["dflash-train"] if os.path.basename(sys.argv[0]) == "dflash-train" else ["python", "-m", "dflash_train"]
-        )
-        again = [*command, *argv, *([] if cfg.resume else ["--resume"])]
         print(
             f"dflash-train: interrupted at step {result.steps_done}; checkpoint saved in {result.out_dir}. "
-            f"Continue with: {shlex.join(again)}",
+            f"Continue it with: {run_dir.continue_command(result.out_dir, ranks)}",
             file=sys.stderr,
         )
         return exit_status(result.stop_signal or signal.SIGINT)
@@ -94,7 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         line += f" (MFU {result.mfu:.1%})"
     if result.tau_before is not None and result.tau_after is not None:
         line += f"; tau {result.tau_before:.2f} -> {result.tau_after:.2f}"
-    print(f"{line}. Outputs in {result.out_dir}: metrics.jsonl, plot.png, checkpoint.safetensors", flush=True)
+    print(
+        f"{line}. Outputs in {result.out_dir}: config.toml, metrics.jsonl, plot.png, checkpoint.safetensors", flush=True
+    )
+    if result.steps_done < cfg.steps:  # --stop-after
+        print(
+            f"stopped at step {result.steps_done} of {cfg.steps}; continue with: "
+            f"{run_dir.continue_command(result.out_dir, ranks)}",
+            flush=True,
+        )
     if result.first_step_s:
         firsts = ", ".join(f"{thread} {s:.1f} s" for thread, s in result.first_step_s.items())
         print(f"first step done (from the job's start, compilation included): {firsts}", flush=True)
@@ -120,19 +165,25 @@ def export_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash-train export",
         description="Write a run's drafter (RUN_DIR/checkpoint.safetensors) as a Hugging Face style folder: "
-        "config.json and model.safetensors in the layout of DFlash inference code (z-lab/dflash, SGLang, vLLM).",
+        "config.json and model.safetensors in the layout of DFlash inference code (z-lab/dflash, SGLang, vLLM), and "
+        "README.md, a model card with their launch settings.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the --out-dir of a dflash_train run")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (replaced if it is an earlier export)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="(default: bfloat16)")
     args = parser.parse_args(argv)
-    from .export import export_run
-
     try:
+        run = Path(args.run_dir)
+        if not run.is_dir():
+            raise ConfigError(f"RUN_DIR {run} {'is not a folder' if run.exists() else 'does not exist'}")
+        run_dir.check_folder(args.out_dir, "OUT_DIR", create=False)
+        check_train_extra()
+        from .export import export_run
+
         out = export_run(args.run_dir, args.out_dir, dtype=args.dtype)
     except ConfigError as e:
         parser.exit(EXIT_USAGE, f"dflash-train export: error: {e}\n")
-    print(f"exported {args.run_dir} to {out}: config.json, model.safetensors")
+    print(f"exported {args.run_dir} to {out}: config.json, model.safetensors, README.md")
     return 0
 
 

@@ -9,7 +9,6 @@ target and are not stored. The file is written whole, to the disk, before it rep
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -20,24 +19,6 @@ from .files import save_safetensors
 from .model import Drafter
 
 FORMAT = "dflash_train.checkpoint/1"
-# Settings that change the training trajectory without changing the drafter's shape: resuming with a
-# different value works, but no longer reproduces the uninterrupted run.
-TRAJECTORY_FIELDS = (
-    "tiny_target_steps",
-    "data",
-    "regenerate",
-    "seed",
-    "steps",
-    "lr",
-    "warmup_steps",
-    "min_lr_ratio",
-    "weight_decay",
-    "grad_clip",
-    "batch_size",
-    "seq_len",
-    "num_anchors",
-    "loss_gamma",
-)
 # The drafter config entries that decide the weights' shapes and meaning.
 DRAFTER_KEYS = (
     "hidden_size",
@@ -108,14 +89,6 @@ def load_checkpoint(
                 f"checkpoint {path} is incompatible with this run's target: drafter {key} is "
                 f"{saved_drafter.get(key)!r} there, {ours[key]!r} here"
             )
-    changed = [n for n in TRAJECTORY_FIELDS if saved.get(n) != getattr(cfg, n)]
-    if changed:
-        print(
-            f"dflash-train: warning: resuming with changed {', '.join(changed)}: the run will not reproduce "
-            "an uninterrupted one",
-            file=sys.stderr,
-        )
-
     weights = {k.removeprefix("drafter."): v for k, v in tensors.items() if k.startswith("drafter.")}
     opt_state: dict[int, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():

@@ -60,7 +60,12 @@ class TargetSection:
         "where the tiny target and regenerated data are cached (reruns skip making them)",
         metavar="PATH",
     )
-    out_dir: str = _opt("runs/dflash", "output folder: metrics.jsonl, plot.png, checkpoint.safetensors", metavar="PATH")
+    out_dir: str = _opt(
+        "runs/dflash",
+        "the run's folder: config.toml (the run's settings), metrics.jsonl, plot.png, checkpoint.safetensors; a "
+        "folder that holds a run is refused unless --resume or --overwrite says what to do with it",
+        metavar="PATH",
+    )
 
 
 @dataclass
@@ -165,13 +170,17 @@ class RunSection:
     export: str = _opt(
         "",
         "after training, also write the drafter to this folder as DFlash serving code loads it (config.json, "
-        "model.safetensors in bf16; what `python -m dflash_train export RUN_DIR OUT_DIR` writes); '': do not",
+        "model.safetensors in bf16, README.md; what 'python -m dflash_train export RUN_DIR OUT_DIR' writes); '': "
+        "do not",
         metavar="PATH",
     )
     resume: bool = _opt(
         False,
-        "continue from <out-dir>/checkpoint.safetensors at its step, with its optimizer state (give the same "
-        "settings as the first run)",
+        "continue the run in --out-dir from its checkpoint (step, weights, optimizer state) with the settings it was "
+        "started with (<out-dir>/config.toml): flags given again change them, and each change is named",
+    )
+    overwrite: bool = _opt(
+        False, "start a new run in an --out-dir that holds one, deleting its checkpoint, metrics and plot"
     )
     watchdog_timeout: float = _opt(
         300.0, "seconds without progress before every thread's stack is printed and the job exits (0: off)"
@@ -193,7 +202,10 @@ class RunSection:
         "do not",
         metavar="FIRST:LAST",
     )
-    progress: bool = _opt(True, "show a progress bar")
+    progress: bool = _opt(
+        True, "a progress bar on a terminal; --no-progress, or output to a file: a line every --log-every steps"
+    )
+    log_every: int = _opt(10, "without a progress bar: print the step, loss, accuracy and tokens/s every N steps")
     fault: str = _opt(
         "",
         "testing the error paths: make a worker fail at a step, 'raise@drafter:STEP', 'hang@target:STEP' "
@@ -214,6 +226,27 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
     # Fields that decide the drafter's shapes and what its weights mean: a checkpoint is only
     # compatible with a config that agrees on all of them.
     MODEL_FIELDS = ("target", "drafter_layers", "block_size")
+    # Fields that say what one invocation does rather than what the run is: not saved in the run's config.toml,
+    # so --resume does not inherit them (a --stop-after 2 stops the invocation that gave it, not every resume).
+    # Settings that change the training trajectory without changing the drafter's shape: a resume that changes
+    # one works, but no longer reproduces the uninterrupted run.
+    TRAJECTORY_FIELDS = (
+        "tiny_target_steps",
+        "data",
+        "regenerate",
+        "seed",
+        "steps",
+        "lr",
+        "warmup_steps",
+        "min_lr_ratio",
+        "weight_decay",
+        "grad_clip",
+        "batch_size",
+        "seq_len",
+        "num_anchors",
+        "loss_gamma",
+    )
+    INVOCATION_FIELDS = ("resume", "overwrite", "stop_after", "fault", "profile_steps")
 
     def resolved(self) -> TrainConfig:
         """Fill the automatic values (block size, gamma) and check ranges; raise ConfigError."""
@@ -233,6 +266,7 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
             "loss_chunk",
             "steps",
             "dist_timeout",
+            "log_every",
         )
         for name in positive:
             if getattr(cfg, name) < 1:
@@ -265,6 +299,10 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
             raise ConfigError(
                 f"--profile-steps {cfg.profile_steps!r}: use FIRST:LAST with 1 <= FIRST < LAST <= --steps ({cfg.steps})"
             )
+        if cfg.resume and cfg.overwrite:
+            raise ConfigError("--resume continues the run in --out-dir and --overwrite replaces it: give one of them")
+        if cfg.target == "tiny":
+            tap_layer_ids(TINY_TARGET_LAYERS, cfg.drafter_layers)  # refuses more drafter layers than it has to tap
         if cfg.fault and not FAULT_SPEC.match(cfg.fault):
             raise ConfigError(f"--fault {cfg.fault!r}: use 'raise@drafter:STEP', 'hang@target:STEP', ...")
         replicas = Ranks.from_env().world_size * cfg.drafter_thread_count()
@@ -320,6 +358,27 @@ class Ranks:
         return self.rank == self.world_size - 1
 
 
+# The tiny target's depth (target.TINY_QWEN3): five layers, so that a two-layer drafter taps two distinct layers (1, 2).
+TINY_TARGET_LAYERS = 5
+
+
+def tap_layer_ids(num_target_layers: int, num_drafter_layers: int) -> list[int]:
+    """The DFlash layer-selection rule (z-lab/dflash's build_target_layer_ids): one tapped target layer per drafter
+    layer, evenly spaced from layer 1 to layer L-3 (the last layers are too specialised to the next token); a single
+    drafter layer taps the middle layer. Raises ConfigError where that range has fewer layers than the drafter: the
+    rule would tap a layer twice (5 target layers, 3 drafter layers: [1, 2, 2])."""
+    if num_drafter_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end - start + 1 < num_drafter_layers:
+        raise ConfigError(
+            f"--drafter-layers {num_drafter_layers}: a drafter taps as many distinct target layers, from layer 1 to "
+            f"L-3, and the {num_target_layers}-layer target has {max(0, end - start + 1)} there: use "
+            f"--drafter-layers {max(1, end - start + 1)} or fewer"
+        )
+    return [round(start + i * (end - start) / (num_drafter_layers - 1)) for i in range(num_drafter_layers)]
+
+
 def parse_devices(spec: str, flag: str) -> list[str]:
     """'cpu' / 'cuda:0,cuda:1' -> ['cuda:0', 'cuda:1']; only the syntax is checked here (no torch)."""
     devices = [d.strip() for d in spec.split(",") if d.strip()]
@@ -373,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dflash-train",
         description="Train a DFlash (block-diffusion speculative decoding) drafter for a causal LM, with one "
         "Python thread per drafter replica fed by target-model threads. With no flags: a ~5 minute CPU demo.",
+        epilog="Serving the trained drafter: 'python -m dflash_train export RUN_DIR OUT_DIR' writes a run's drafter "
+        "as the folder DFlash inference code (z-lab/dflash, SGLang, vLLM) loads ('python -m dflash_train export "
+        "--help' for its options).",
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument(

@@ -42,7 +42,8 @@ class Acceptance:
     def of(cls, generations: list[Generation], block_size: int) -> Acceptance:
         steps = [a for g in generations for a in g.accepted]
         whole = [g.accepted[:-1] if g.last_cut else g.accepted for g in generations]
-        per_prompt = [sum(w) / len(w) for w in whole if w]
+        # Where every prompt's only step was cut (a budget of at most a block), the cut steps are all there is.
+        per_prompt = [sum(w) / len(w) for w in whole if w] or [sum(g.accepted) / len(g.accepted) for g in generations]
         histogram = [sum(1 for a in steps if a == k) / len(steps) for k in range(block_size + 1)]
         return cls(sum(per_prompt) / len(per_prompt), sum(steps) / len(steps), histogram, generations)
 

@@ -25,10 +25,10 @@ from transformers import Qwen3Config
 from .checkpoint import FORMAT
 from .config import ConfigError
 from .model import Drafter
-from .target import Target
+from .target import TINY_MARKER, Target
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
+WEIGHTS, CONFIG, CARD = "model.safetensors", "config.json", "README.md"
 # Written last into every export: the names of the files it wrote. A folder holding it and only those files is
 # an earlier export, which a new one may replace; export writes into no other folder that is not empty.
 MARKER = ".dflash_train_export.json"
@@ -62,12 +62,11 @@ def write_export(
     check_export_folder(out_dir)
     config = Qwen3Config.from_dict(config.to_dict())  # a copy: the live drafter's config stays as it is
     config.dtype = dtype
-    config.dflash_train = {"target": target_path, "tokenizer": _tokenizer_of(target_path)}
+    config.dflash_train = {"target": target_name(target_path), "tokenizer": _tokenizer_of(target_path)}
     tensors = {reference_key(k): v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in weights.items()}
     tmp = _new_sibling(out_dir, "tmp")
     tmp.mkdir(parents=True)
-    config.to_json_file(tmp / CONFIG, use_diff=False)
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    _write_files(tmp, config, tensors)
     (tmp / MARKER).write_text(json.dumps({"written_by": "dflash_train export", "files": sorted(os.listdir(tmp))}))
     if out_dir.exists():  # empty or an earlier export (checked above): a rename cannot replace a folder
         old = _new_sibling(out_dir, "old")
@@ -108,10 +107,81 @@ def check_export_folder(out_dir: Path) -> None:
         )
 
 
+def _write_files(folder: Path, config: Qwen3Config, tensors: dict[str, torch.Tensor]) -> None:
+    """config.json, model.safetensors and README.md (the model card), each readable as umask allows: an export is
+    for sharing (safetensors writes its file 0600, like a private checkpoint)."""
+    values = config.to_dict()
+    # transformers 5 keeps RoPE in rope_parameters only; transformers 4 stacks (and the loaders built on them) read
+    # rope_theta and rope_scaling, and without them take the default base 10000.
+    rope = dict(values.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        values["rope_theta"] = rope.pop("rope_theta")
+        values["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    (folder / CONFIG).write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / CARD).write_text(model_card(config))
+    os.chmod(folder / WEIGHTS, os.stat(folder / CONFIG).st_mode)
+
+
+def model_card(config: Qwen3Config) -> str:
+    """README.md of an export: what it is, and how vLLM and SGLang serve it with its target."""
+    block, target = config.block_size, config.dflash_train["target"]
+    served = target if target.count("/") == 1 and " " not in target else "<the target model>"  # a Hugging Face id
+    dflash = config.dflash_config
+    speculative = json.dumps({"method": "dflash", "model": "<this folder>", "num_speculative_tokens": block - 1})
+    return f"""# DFlash drafter for {target}
+
+A DFlash (block-diffusion speculative decoding) drafter trained by dflash_train: {config.num_hidden_layers} layers,
+block size {block}, tapping the target's layers {dflash["target_layer_ids"]}, mask token {dflash["mask_token_id"]},
+weights in {config.dtype}. It has no embedding or LM head: it shares the target's. Tokenizer:
+{config.dflash_train["tokenizer"]}.
+
+## vLLM
+
+A block of {block} drafts {block - 1} tokens after its anchor:
+
+```bash
+vllm serve {served} --speculative-config '{speculative}'
+```
+
+## SGLang
+
+```bash
+python -m sglang.launch_server --model-path {served} --speculative-algorithm DFLASH \\
+    --speculative-draft-model-path <this folder> --speculative-num-draft-tokens {block}
+```
+
+## Transformers (z-lab/dflash)
+
+`dflash.model.DFlashDraftModel.from_pretrained("<this folder>")` with `dflash.model.dflash_generate`.
+"""
+
+
+def target_name(target_path: str) -> str:
+    """What the target is called for others, never a path of this machine: the ``_name_or_path`` its config.json
+    holds when that is a Hugging Face id, the id of a Hugging Face cache folder (``models--Org--Name``), else the
+    folder's name; for the tiny target, that it is dflash_train's."""
+    folder = Path(target_path)
+    if (folder / TINY_MARKER).is_file():
+        return f"dflash_train's tiny byte-level target ({folder.name}, not published)"
+    try:
+        named = json.loads((folder / "config.json").read_text()).get("_name_or_path") or ""
+    except (OSError, ValueError, AttributeError):
+        named = ""
+    if named and not named.startswith((".", "/", "~")) and named.count("/") == 1 and not Path(named).exists():
+        return named
+    for part in folder.resolve().parts:
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/", 1)
+    return folder.resolve().name
+
+
 def _tokenizer_of(target_path: str) -> str:
-    """Where the drafter's tokenizer is: the target's folder, or the tiny target's byte-level tokenizer."""
+    """The drafter's tokenizer: the target's (by the target's name), or the tiny target's byte-level tokenizer."""
     has_files = any((Path(target_path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-    return target_path if has_files else "dflash_train.data.ByteTokenizer (bytes 0 - 255, then the special tokens)"
+    if has_files:
+        return f"the target's ({target_name(target_path)})"
+    return "dflash_train.data.ByteTokenizer (bytes 0 - 255, then the special tokens)"
 
 
 def export_run(run_dir: Path, out_dir: Path, *, dtype: str = "bfloat16") -> Path:

@@ -8,8 +8,64 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from .config import ConfigError
 from .files import replace_text
+
+
+class Progress:
+    """What a long loop shows people: a tqdm bar when stderr is a terminal and ``bar`` is on; otherwise (output
+    to a file, --no-progress) a plain line every ``every`` steps and at the last one, so that a log holds lines,
+    not a bar's carriage returns. ``quiet`` (the ranks but 0 of a torchrun job) shows nothing."""
+
+    def __init__(
+        self, desc: str, total: int, *, initial: int = 0, bar: bool, every: int, unit: str = "step", quiet: bool = False
+    ):
+        self.desc, self.total, self.every, self.unit, self.quiet = desc, total, max(1, every), unit, quiet
+        show_bar = bar and not quiet and sys.stderr.isatty()
+        self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True) if show_bar else None
+
+    def update(self, n: int, figures: dict[str, str]) -> None:
+        """``n`` of ``total`` done; ``figures`` (name: formatted value) describe the last one."""
+        if self._bar is not None:
+            self._bar.update(n - self._bar.n)
+            self._bar.set_postfix(figures)
+        elif not self.quiet and (n % self.every == 0 or n == self.total):
+            line = ", ".join(f"{name} {value}" for name, value in figures.items())
+            print(f"{self.desc} {self.unit} {n}/{self.total}" + (f": {line}" if line else ""), flush=True)
+
+    def note(self, text: str) -> None:
+        """A word on what is going on (the bar's postfix until the next update, or a line)."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(text)
+        elif not self.quiet:
+            print(f"{self.desc}: {text}", flush=True)
+
+    def write(self, text: str) -> None:
+        """A line for people, above the bar."""
+        if self._bar is not None:
+            self._bar.write(text)
+        elif not self.quiet:
+            print(text, flush=True)
+
+    def restart_clock(self) -> None:
+        """Time the rate and ETA from now on: the steps so far (the first, compiling) say nothing of the rest."""
+        if self._bar is not None:
+            done = self._bar.n
+            self._bar.reset(total=self.total)  # the clock and the smoothed rate start again
+            self._bar.initial = self._bar.n = self._bar.last_print_n = done
+            self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class MetricsLog:

@@ -19,7 +19,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
-from tqdm import tqdm
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -30,22 +29,13 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from .config import ConfigError, TrainConfig
+from .config import TINY_TARGET_LAYERS, ConfigError, TrainConfig, tap_layer_ids
 from .data import ByteTokenizer, Corpus, HFTokenizer, Tokenizer, TrainingData, batch_for_step
 from .files import save_safetensors
+from .report import Progress
 
 # Loading and saving print their own progress bars; ours (target training, drafter steps) say more.
 hf_logging.disable_progress_bar()
-
-
-def tap_layer_ids(num_target_layers: int, num_drafter_layers: int) -> list[int]:
-    """The DFlash layer-selection rule: one tapped target layer per drafter layer, evenly spaced
-    from layer 1 to layer L-3 (the last layers are too specialised to the next token); a single
-    drafter layer taps the middle layer."""
-    if num_drafter_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, max(1, num_target_layers - 3)
-    return [round(start + i * (end - start) / (num_drafter_layers - 1)) for i in range(num_drafter_layers)]
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -122,19 +112,20 @@ def _trunk(base: nn.Module, layers: int) -> nn.Module:
 
 # --- the tiny byte-level target -------------------------------------------------------------------
 
-# Small enough to learn the shape of Python source in a couple of minutes on two CPU cores; five
-# layers so that a two-layer drafter taps two distinct layers (1 and 2).
+# Small enough to learn the shape of Python source in a couple of minutes on two CPU cores.
 TINY_QWEN3 = dict(
     vocab_size=ByteTokenizer.vocab_size,
     hidden_size=128,
     intermediate_size=384,
-    num_hidden_layers=5,
+    num_hidden_layers=TINY_TARGET_LAYERS,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=32,
     max_position_embeddings=2048,
     tie_word_embeddings=True,
 )
+# In the tiny target's folder: its training steps and final loss (and that it is the tiny target).
+TINY_MARKER = "dflash_train.json"
 TINY_RECIPE = dict(batch_size=8, seq_len=128, lr=1e-2, warmup=20, min_lr_ratio=0.1, weight_decay=0.01)
 
 
@@ -161,9 +152,9 @@ def train_tiny_target(cfg: TrainConfig, corpus: Corpus, device: torch.device, ou
     model = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=r["lr"], betas=(0.9, 0.95), weight_decay=r["weight_decay"])
     steps = cfg.tiny_target_steps
-    bar = tqdm(range(steps), desc="tiny target", disable=not cfg.progress or steps == 0, dynamic_ncols=True)
+    show = Progress("tiny target", steps, bar=cfg.progress and steps > 0, every=max(1, steps // 10))
     loss_ema = None
-    for step in bar:
+    for step in range(steps):
         progress = max(0, step - r["warmup"]) / max(1, steps - r["warmup"])
         scale = min(1.0, (step + 1) / r["warmup"]) * (
             r["min_lr_ratio"] + (1 - r["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -177,7 +168,8 @@ def train_tiny_target(cfg: TrainConfig, corpus: Corpus, device: torch.device, ou
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-        bar.set_postfix(bits_per_byte=f"{loss_ema / math.log(2):.2f}")
+        show.update(step + 1, {"bits/byte": f"{loss_ema / math.log(2):.2f}"})
+    show.close()
     # Show that it learnt something: a sampled continuation (greedy decoding of so small a model loops).
     torch.manual_seed(cfg.seed)
     prompt = torch.tensor([ByteTokenizer().encode("def ")], device=device)
@@ -189,7 +181,7 @@ def train_tiny_target(cfg: TrainConfig, corpus: Corpus, device: torch.device, ou
     print(f"tiny target: {bits:.2f} bits/byte; a sample: {ByteTokenizer().decode(sample[0].tolist())!r}")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
-    (tmp / "dflash_train.json").write_text(json.dumps({"steps": steps, "final_loss": loss_ema}))
+    (tmp / TINY_MARKER).write_text(json.dumps({"steps": steps, "final_loss": loss_ema}))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 
@@ -278,7 +270,8 @@ def regenerate(
             print(f"dflash-train: warning: the cached data {cached} is damaged ({e}); making it again", file=sys.stderr)
     rows, masks = [], []
     batches = range(0, cfg.regenerate, REGEN_BATCH)
-    for i in tqdm(batches, desc="regenerating data", disable=not cfg.progress, dynamic_ncols=True):
+    show = Progress("regenerating data", len(batches), bar=cfg.progress, every=1, unit="batch")
+    for done, i in enumerate(batches, 1):
         size = min(REGEN_BATCH, cfg.regenerate - i)
         texts = batch_for_step(corpus.train, i, size, seq_len // 4, seed=cfg.seed + 104729)
         prompts = [tokenizer.prompt(t.tolist())[: seq_len - 1] for t in texts]
@@ -298,6 +291,8 @@ def regenerate(
             filler = seq_len - len(prompt) - len(written)
             rows.append(prompt + written + [pad] * filler)
             masks.append([False] * len(prompt) + [True] * len(written) + [False] * filler)
+        show.update(done, {})
+    show.close()
     data = TrainingData(torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.bool))
     cached.parent.mkdir(parents=True, exist_ok=True)
     save_safetensors(cached, {"input_ids": data.tokens, "supervised": data.supervised.to(torch.uint8)})

@@ -21,11 +21,10 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import torchfix  # noqa: F401  (makes torch's compile state thread-local: threads may compile concurrently)
 
-from . import streams
+from . import run_dir, streams
 from .batch import StepBatch, make_step_batch, to_device
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, Ranks, TrainConfig, parse_devices
@@ -37,7 +36,7 @@ from .files import RunLock, remove_leftovers
 from .flops import peak_flops, step_flops
 from .model import Drafter, drafter_config, make_replicas
 from .profiling import StepProfiler
-from .report import MetricsLog, plot_metrics
+from .report import MetricsLog, Progress, plot_metrics
 from .target import Target, load_target, prepare_target, regenerate
 from .workers import Job, StepSync, Turnstile, Watchdog, drafter_worker, stop_on_signals, target_worker
 
@@ -179,17 +178,16 @@ class Trainer:
         cfg = self.cfg = config.resolved()
         ranks = self.ranks = Ranks.from_env()
         out = self.out = Path(cfg.out_dir)
-        self.ckpt = out / "checkpoint.safetensors"
-        if cfg.resume and not self.ckpt.is_file():
-            raise ConfigError(
-                f"--resume: there is no checkpoint at {self.ckpt} (run once without --resume; under torchrun on "
-                "several hosts, --out-dir must be on a filesystem they share)"
-            )
+        self.ckpt = out / run_dir.CHECKPOINT
+        run_dir.check_paths(cfg, ranks)  # before anything slow (the command line checked them before torch, too)
         out.mkdir(parents=True, exist_ok=True)
-        if ranks.is_main:  # the rank that writes there
+        if ranks.is_main:  # the rank that writes there: one run at a time, then what a killed save left goes
             self.lock = RunLock(out)
             if leftovers := remove_leftovers(out):
                 print(f"dflash-train: removed what an interrupted save left in {out}: {', '.join(leftovers)}")
+            if cfg.resume:
+                print(run_dir.resume_note(cfg), flush=True)
+            run_dir.start_run(cfg)
         if cfg.export:  # refused now rather than after the training
             check_export_folder(Path(cfg.export))
         offset = cuda_offset(cfg, ranks)
@@ -231,7 +229,7 @@ class Trainer:
             self.collectives.broadcast_(list(replica.parameters()))
         self.end = min(cfg.steps, self.start + cfg.stop_after) if cfg.stop_after else cfg.steps
         self.metrics = MetricsLog(
-            out / "metrics.jsonl" if ranks.is_main else None,
+            out / run_dir.METRICS if ranks.is_main else None,
             resumed_at=self.start if cfg.resume else None,
             started=self.started,
             tensorboard=Path(cfg.tensorboard) if cfg.tensorboard else None,
@@ -392,7 +390,7 @@ class Trainer:
         )
         metrics.close()
         if ranks.is_main and run.steps_done > start:
-            plot_metrics(self.out / "metrics.jsonl", self.out / "plot.png")
+            plot_metrics(self.out / run_dir.METRICS, self.out / run_dir.PLOT)
             if cfg.export:
                 drafter = self.replicas[0]
                 write_export(drafter.config, drafter.state_dict(), Path(cfg.export), target_path=self.target_path)
@@ -473,16 +471,20 @@ class Trainer:
         """The main thread while the workers train: step reports to the metrics and the progress bar."""
         cfg, start, end = self.cfg, self.start, self.end
         tokens_per_step = cfg.batch_size * cfg.seq_len  # the job's, all ranks together
-        show = cfg.progress and self.ranks.is_main
         drafters = [t for t in job.threads if t.name.startswith("drafter")]
         done, loss, first_report, rate = start, None, None, None
         first_step_s: dict[str, float] = {}
         announced_stop = False
-        with tqdm(total=end, initial=start, desc="drafter", unit="step", disable=not show, dynamic_ncols=True) as bar:
+        show = Progress(
+            "drafter", end, initial=start, bar=cfg.progress, every=cfg.log_every, quiet=not self.ranks.is_main
+        )
+        with show:
+            if cfg.compile:
+                show.note("compiling the first step (torch.compile, in each drafter thread)")
             while job.failure is None:
                 if job.stop_requested.is_set() and not announced_stop:
                     name = "Ctrl-C" if job.stop_signal == signal.SIGINT else job.stop_signal.name
-                    bar.write(f"{name}: finishing this step and saving a checkpoint ({name} again to quit at once)")
+                    show.write(f"{name}: finishing this step and saving a checkpoint ({name} again to quit at once)")
                     announced_stop = True
                 try:
                     event = job.events.get(timeout=0.2)
@@ -499,14 +501,17 @@ class Trainer:
                 if self.profiler is not None:  # the step has reached its end on the GPU too (read above)
                     self.profiler.at_step(done)
                 # Throughput from the second report on: the first step includes compilation.
+                depth = sum(q.qsize() for q in inboxes)
+                if first_report is not None and now > first_report:
+                    rate = (done - start - 1) * tokens_per_step / (now - first_report)
+                self.metrics.write("train", **event, tokens_per_s=rate, mfu=self.mfu(rate), queue_depth=depth)
+                figures = {"loss": f"{loss:.3f}", "acc": f"{event['acc']:.2f}"}
+                if rate is not None:
+                    figures["tokens/s"] = f"{rate:,.0f}"
+                show.update(done, figures | {"queue": str(depth)})
                 if first_report is None:
                     first_report = now
-                elif now > first_report:
-                    rate = (done - start - 1) * tokens_per_step / (now - first_report)
-                depth = sum(q.qsize() for q in inboxes)
-                self.metrics.write("train", **event, tokens_per_s=rate, mfu=self.mfu(rate), queue_depth=depth)
-                bar.update(done - bar.n)
-                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{event['acc']:.2f}", tok_s=f"{rate or 0:.0f}", queue=depth)
+                    show.restart_clock()
         # Stopped early: by Ctrl-C or SIGTERM, here or on another rank (the stop decision is the job's).
         return _Run(done, loss, rate, done < end, first_step_s, job.stop_signal)
 

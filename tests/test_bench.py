@@ -164,3 +164,14 @@ def test_one_thread_sees_torch_as_without_torchfix(tmp_path):
     result = json.loads((tmp_path / "equivalence.json").read_text())
     assert result["operators"] > 20 and result["graphs"] > 10, result
     assert result["differences"] == {}, proc.stdout
+
+
+def test_help_names_the_benchmarks_and_an_unknown_one_is_refused():
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO, capture_output=True, text=True)
+
+    helped = bench("--help")
+    assert helped.returncode == 0 and "[NAME ...]" in helped.stdout and "{[]" not in helped.stdout
+    assert "overhead, coldstart, trainer, cudagraphs, cost, equivalence (default: all)" in " ".join(helped.stdout.split())
+    refused = bench("nope")
+    assert refused.returncode == 2 and "unknown benchmark nope: choose from overhead," in refused.stderr

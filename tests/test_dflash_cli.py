@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ def tiny_flags(tmp_path: Path) -> list[str]:
         "--tiny-target-steps", "0", "--regenerate", "0",
         "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "run"),
         "--seq-len", "48", "--batch-size", "4", "--num-anchors", "6", "--loss-chunk", "4",
-        "--eval-prompts", "2", "--eval-prompt-len", "16", "--eval-new-tokens", "12", "--no-progress",
+        "--eval-prompts", "2", "--eval-prompt-len", "16", "--eval-new-tokens", "12",
     ]  # fmt: skip
 
 
@@ -75,6 +76,9 @@ def test_smoke_threads_compile_checkpoint(tmp_path):
     assert ran.returncode == 0, ran.stderr
     assert "tau before training" in ran.stdout and "tau after training" in ran.stdout
     assert "done: 3 steps" in ran.stdout
+    # Output to a pipe: plain lines, no progress bar (nor its carriage returns), a word while the first step compiles.
+    assert "\r" not in ran.stdout + ran.stderr
+    assert "drafter: compiling the first step" in ran.stdout and "drafter step 3/3: loss " in ran.stdout
     out = tmp_path / "run"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3]
@@ -135,10 +139,13 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 130, stderr
-    assert "interrupted at step" in stderr and "--resume" in stderr
     step = int(stderr.split("interrupted at step ")[1].split(";")[0])
-    ran = run_cli([*flags, "--steps", str(step + 2), "--resume"])
+    command = stderr.split("Continue it with: ")[1].splitlines()[0]
+    assert command == f"python -m dflash_train --resume --out-dir {tmp_path / 'run'}"
+    # That command, and one change (the run was to go on for 100000 steps): named, and applied.
+    ran = run_cli([*shlex.split(command)[3:], "--steps", str(step + 2)])
     assert ran.returncode == 0, ran.stderr
+    assert f"from step {step} with its settings" in ran.stdout and "changed: --steps 100000 -> " in ran.stdout
     assert f"done: {step + 2} steps" in ran.stdout
 
 
@@ -220,4 +227,99 @@ def test_export_command_bad_input_gets_one_clear_message(tmp_path, capsys, main_
         main(["export", str(tmp_path / "no-run"), str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("dflash-train export: error: ") and "Traceback" not in err
-    assert "no checkpoint.safetensors" in err and not (tmp_path / "out").exists()
+    assert f"RUN_DIR {tmp_path / 'no-run'} does not exist" in err and not (tmp_path / "out").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(["export", str(tmp_path / "empty"), str(tmp_path / "out")])
+    assert "no checkpoint.safetensors" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+# --- the run folder: never lost, resumed with its own settings (issue 28) ---------------------------------
+
+
+def test_a_run_is_never_replaced_unasked_and_resumes_with_its_settings(tmp_path):
+    flags = [*tiny_flags(tmp_path), "--no-compile", "--eval-prompts", "0", "--steps", "3"]
+    out = tmp_path / "run"
+    assert run_cli(flags).returncode == 0
+    saved = {name: (out / name).read_bytes() for name in ("checkpoint.safetensors", "metrics.jsonl")}
+    from dflash_train.config import read_config_file
+
+    settings = read_config_file(str(out / "config.toml"))  # readable, and a --config file
+    assert settings["steps"] == 3 and settings["seq_len"] == 48 and "resume" not in settings
+    again = run_cli(flags)
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert again.stderr == (
+        f"dflash-train: error: --out-dir {out} holds a run: continue it with --resume, delete it with --overwrite, "
+        "or give another --out-dir\n"
+    )
+    assert {name: (out / name).read_bytes() for name in saved} == saved
+    # A bare --resume and one change: the run goes on with its own settings, the change named.
+    resumed = run_cli(["--resume", "--out-dir", str(out), "--steps", "5"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "from step 3 with its settings" in resumed.stdout and "changed: --steps 3 -> 5 (so it" in resumed.stdout
+    assert "done: 5 steps" in resumed.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4, 5]
+    assert read_config_file(str(out / "config.toml"))["steps"] == 5
+    replaced = run_cli([*flags, "--steps", "2", "--overwrite"])
+    assert replaced.returncode == 0, replaced.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2]
+
+
+# What `main` does with a mistake, in a fresh interpreter: its exit status, and whether torch was imported by then.
+_MAIN_REPORTING_TORCH = """
+import sys
+{setup}
+from dflash_train.__main__ import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print("torch imported" if "torch" in sys.modules else "torch not imported")
+sys.exit(code)
+"""
+
+
+def run_main(args: list[str], setup: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _MAIN_REPORTING_TORCH.format(setup=setup), *args],
+        capture_output=True, text=True, timeout=60, env=_env(), cwd=REPO,
+    )  # fmt: skip
+
+
+def test_mistakes_are_one_line_and_exit_2_before_torch_is_imported(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    # root writes in a mode-555 folder: there, a folder the kernel refuses to create in (sysfs)
+    unwritable = "/sys/dflash-run" if os.geteuid() == 0 else str(read_only)
+    run = str(tmp_path / "run")
+    cases = [
+        ([*tiny_flags(tmp_path), "--out-dir", str(a_file)], f"--out-dir {a_file} is a file, not a folder"),
+        ([*tiny_flags(tmp_path), "--out-dir", f"{a_file}/run"], f"--out-dir {a_file}/run: {a_file} is a file, not a"),
+        ([*tiny_flags(tmp_path), "--out-dir", unwritable], f"--out-dir {unwritable}: cannot "),
+        ([*tiny_flags(tmp_path), "--export", str(a_file)], f"--export {a_file} is a file, not a folder"),
+        ([*tiny_flags(tmp_path), "--cache-dir", str(a_file)], f"--cache-dir {a_file} is a file, not a folder"),
+        ([*tiny_flags(tmp_path), "--steps", "0"], "--steps must be at least 1 (got 0)"),
+        ([*tiny_flags(tmp_path), "--resume", "--overwrite"], "--resume continues the run in --out-dir and --overwr"),
+        (["--resume", "--out-dir", run], f"--resume: no checkpoint at {run}/checkpoint.safetensors ({run} does not"),
+        ([*tiny_flags(tmp_path), "--drafter-layers", "3"], "and the 5-layer target has 2 there: use --drafter-layers"),
+        (["export", run, str(tmp_path / "out")], f"RUN_DIR {run} does not exist"),
+        (["export", str(tmp_path), str(a_file)], f"OUT_DIR {a_file} is a file, not a folder"),
+    ]
+    for args, message in cases:
+        ran = run_main(args)
+        assert ran.returncode == 2, (args, ran.stderr)
+        assert len(ran.stderr.splitlines()) == 1 and message in ran.stderr, (args, ran.stderr)
+        assert ran.stdout == "torch not imported\n", (args, ran.stdout)
+    assert a_file.read_text() == "mine" and not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+    helped = run_main(["--help"])
+    assert helped.returncode == 0 and "python -m dflash_train export RUN_DIR OUT_DIR" in " ".join(helped.stdout.split())
+    missing = run_main(tiny_flags(tmp_path), setup="sys.modules['tqdm'] = None  # as if it were not installed")
+    assert missing.returncode == 2 and missing.stdout == "torch not imported\n"
+    assert missing.stderr == (
+        "dflash-train: error: the trainer needs the 'train' extra, which is not installed (no tqdm): "
+        "pip install -e '.[train]' in a checkout of torchfix\n"
+    )

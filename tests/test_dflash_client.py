@@ -5,11 +5,11 @@ acceptance lengths as dflash_train's own speculative decoding."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 import torch
+from safetensors import safe_open
 
 dflash_model = pytest.importorskip("dflash.model", reason="z-lab's dflash package is not installed")
 
@@ -38,7 +38,9 @@ def test_the_reference_client_generates_the_targets_text_with_our_acceptance_len
         export=str(tmp_path / "export"),
     )
     drafter = train(cfg).drafters[0].eval()
-    target_path = json.loads((tmp_path / "export" / "config.json").read_text())["dflash_train"]["target"]
+    # The export names the target; the run's checkpoint knows where this machine keeps it.
+    with safe_open(str(tmp_path / "run" / "checkpoint.safetensors"), framework="pt") as f:
+        target_path = f.metadata()["target_path"]
     target = load_target(target_path, torch.device("cpu"), cfg.drafter_layers)
 
     client = dflash_model.DFlashDraftModel.from_pretrained(cfg.export, dtype=torch.float32).eval()

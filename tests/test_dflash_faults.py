@@ -51,7 +51,7 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_prints_the_resume_command(tmp_
     assert "SIGTERM: finishing this step and saving a checkpoint" in stdout
     step = int(stderr.split("interrupted at step ")[1].split(";")[0])
     assert checkpoint_step(tmp_path / "run") == step
-    command = stderr.split("Continue with: ")[1].strip()
+    command = stderr.split("Continue it with: ")[1].strip()
     assert command == " ".join(["python", "-m", "dflash_train", *args, "--resume"]), command
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dflash_train.config import ConfigError, TrainConfig
@@ -116,7 +117,7 @@ def test_local_hugging_face_model_and_tokenizer(tiny, tmp_path):
         vocab_size=320,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=4,
+        num_hidden_layers=5,  # a 2-layer drafter taps layers 1 and 2 (of 1 to L-3)
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
@@ -293,7 +294,9 @@ def test_export_loads_back_from_its_folder_with_the_same_logits_and_drafts(tiny,
 
     # From the run's checkpoint, in float32: the drafter it loads back is the trained one.
     folder = export_run(cfg.out_dir, tmp_path / "fp32", dtype="float32")
-    target = load_target(config["dflash_train"]["target"], torch.device("cpu"), cfg.drafter_layers)
+    assert config["dflash_train"]["target"].startswith("dflash_train's tiny byte-level target (tiny-target-")
+    with safe_open(cfg.out_dir + "/checkpoint.safetensors", framework="pt") as f:  # where this machine keeps it
+        target = load_target(f.metadata()["target_path"], torch.device("cpu"), cfg.drafter_layers)
     loaded = load_exported(folder, target).eval()
     trained.eval()
     features = target.features(torch.randint(0, 256, (1, 24)))
@@ -313,7 +316,7 @@ def test_export_refuses_bad_input_with_one_message(tiny, tmp_path):
     (run / "checkpoint.safetensors").write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="corrupt"):
         export_run(run, tmp_path / "out")
-    cfg = dataclasses.replace(tiny, steps=1, out_dir=str(run))
+    cfg = dataclasses.replace(tiny, steps=1, out_dir=str(run), overwrite=True)  # over the bad checkpoint
     train(cfg)
     other = tmp_path / "notes"
     other.mkdir()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_train.config import ConfigError
 from dflash_train.data import ByteTokenizer, TrainingData
 from dflash_train.evaluate import Acceptance, Generation, speculative_generate
 from dflash_train.loss import block_targets, chunked_loss, position_weights
@@ -185,6 +186,8 @@ def test_tap_layer_ids_follow_the_dflash_rule():
     assert tap_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B with the 5-layer DFlash drafter
     assert tap_layer_ids(28, 1) == [14]
     assert tap_layer_ids(5, 2) == [1, 2]  # the tiny target
+    with pytest.raises(ConfigError, match="the 5-layer target has 2 there: use --drafter-layers 2 or fewer"):
+        tap_layer_ids(5, 3)  # the rule would tap [1, 2, 2]
 
 
 @pytest.fixture(scope="module")
@@ -373,3 +376,52 @@ def test_step_flops_agree_with_torchs_flop_counter(tiny_pair):
         loss.backward()
     counted, formula = counter.get_total_flops(), step_flops(model.config, drafter.config, **shape)
     assert abs(formula - counted) / counted < 0.1, (formula, counted)
+
+
+# --- export: what serving stacks read (issue 28) ----------------------------------------------------------
+
+
+def test_export_reads_as_vllm_sglang_and_both_transformers_read_it(tmp_path):
+    """A target with scaled RoPE, published as Org/Name (its Hugging Face cache folder): the export's config.json
+    read as a plain dict (what transformers-4 stacks and vLLM's and SGLang's DFlash loaders see) and by this
+    transformers; its model card's launch settings; the files readable as umask allows; no path of this machine."""
+    import json
+    import os
+    import stat
+
+    from transformers import Qwen3Config
+
+    from dflash_train.export import write_export
+
+    target_dir = tmp_path / "hub" / "models--Org--Name" / "snapshots" / "abc123"
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}
+    target_config = Qwen3Config(**{**TINY_QWEN3, "rope_parameters": rope})
+    target_config.save_pretrained(target_dir)
+    (target_dir / "tokenizer.json").write_text("{}")
+    config = drafter_config(target_config, 2, 16, [1, 2], 300)
+    weights = {"fc.weight": torch.zeros(4, 4), "layers.0.q_proj.weight": torch.zeros(4, 4)}
+    out = write_export(config, weights, tmp_path / "export", target_path=str(target_dir))
+
+    seen = json.loads((out / "config.json").read_text())
+    assert seen["rope_theta"] == 500000.0 and seen["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert seen["block_size"] == 16 and seen["num_target_layers"] == 5
+    assert seen["dflash_config"]["target_layer_ids"] == [1, 2] and seen["dflash_config"]["mask_token_id"] == 300
+    assert seen["dflash_train"] == {"target": "Org/Name", "tokenizer": "the target's (Org/Name)"}
+    assert str(tmp_path) not in (out / "config.json").read_text() + (out / "README.md").read_text()
+    assert Qwen3Config.from_pretrained(out).rope_parameters == rope  # transformers 5 reads it as before
+    card = (out / "README.md").read_text()
+    speculative = '{"method": "dflash", "model": "<this folder>", "num_speculative_tokens": 15}'
+    assert f"vllm serve Org/Name --speculative-config '{speculative}'" in card
+    assert (
+        "--model-path Org/Name --speculative-algorithm DFLASH" in card and "--speculative-num-draft-tokens 16" in card
+    )
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ("config.json", "model.safetensors", "README.md"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~umask, name
+    # Default RoPE: no scaling, the base as it is.
+    plain = Qwen3Config(**TINY_QWEN3)
+    write_export(drafter_config(plain, 2, 8, [1, 2], 258), weights, tmp_path / "plain", target_path=str(tmp_path))
+    seen = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert seen["rope_theta"] == plain.rope_parameters["rope_theta"] and seen["rope_scaling"] is None
+    assert seen["dflash_train"]["target"] == tmp_path.name

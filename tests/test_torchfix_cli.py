@@ -171,3 +171,13 @@ def test_bad_command_line_is_one_clear_error():
     assert ran.returncode == 2 and "unknown action(s) juggling" in ran.stderr
     ran = torchfix_cli("stress", "--seconds=0")
     assert ran.returncode == 2 and "--seconds must be positive" in ran.stderr
+
+
+@pytest.mark.release_independent
+def test_status_lists_every_fix_without_the_self_test_and_help_reads_plainly():
+    ran = torchfix_cli("status")
+    assert ran.returncode == 0, ran.stderr
+    assert [line.split()[0] for line in ran.stdout.splitlines()] == [fix["name"] for fix in FIXES]
+    assert "self-test" not in ran.stdout
+    helped = torchfix_cli("--help")
+    assert helped.returncode == 0 and "`" not in helped.stdout and "status" in helped.stdout

@@ -67,6 +67,16 @@ def doctor(selftest: bool) -> int:
     return 1 if problems else 0
 
 
+def status() -> int:
+    """Each fix's state on this torch and why: the doctor's list, without the self-test."""
+    import torch  # noqa: F401  (the fixes wait for it)
+
+    _load_triggers()
+    for entry in torchfix.status():
+        print(f"{entry.name:<26} {entry.state.value:<14} {entry.reason}")
+    return 0
+
+
 def _installed_reader(relpath: str) -> str:
     import torch
 
@@ -218,10 +228,15 @@ def pth(action: str, site_dir: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchfix", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m torchfix",
+        description="The doctor report, each fix's state, the diffs (of one release, or patches/ for all), a soak "
+        "test, and running a program with torchfix loaded.",
+    )
     commands = parser.add_subparsers(dest="command")
     doctor_parser = commands.add_parser("doctor", help="versions, each fix's state, live self-test (default)")
     doctor_parser.add_argument("--no-selftest", action="store_true", help="skip the live races")
+    commands.add_parser("status", help="each fix's state on this torch and why (the doctor's list, no self-test)")
     diff_parser = commands.add_parser("diff", help="unified diffs of the fixes for a torch release")
     diff_parser.add_argument("--source-root", help="a tree with torch/**.py of some release (default: installed)")
     diff_parser.add_argument("--torch-version", help="the release of --source-root, e.g. 2.5.1")
@@ -255,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     pth_parser.add_argument("--site-dir", help="the site-packages to write to (default: this environment's)")
     args = parser.parse_args(argv)
 
+    if args.command == "status":
+        return status()
     if args.command == "diff":
         return diff(args.source_root, args.torch_version, args.output_dir)
     if args.command == "patches":
