@@ -126,8 +126,12 @@ class DecompKernels:
         self._inside: dict[object, int] = {}  # op -> the overrides of it under way, in all threads
 
     def own(self, op: object) -> _Own | None:
-        space = self._threads.get()
-        return None if space is None else space.tables.get(op)
+        tables = self._tables()
+        return None if tables is None else tables.get(op)
+
+    def _tables(self) -> dict[object, _Own] | None:
+        """The calling thread's own tables, by op; None where it has overridden nothing."""
+        return getattr(self._threads.get(), "tables", None)
 
     def locked(self, items: Iterable) -> Iterator:
         """The items of torch's setup loop, with the lock held while it runs: two threads' setups take turns."""
@@ -140,12 +144,10 @@ class DecompKernels:
             if op not in self._real:
                 self._real[op] = (op.py_kernels, op._dispatch_cache)
                 op.py_kernels, op._dispatch_cache = _ThreadKernels(op, op.py_kernels, self), _Uncached()
-            space = self._threads.make()
-            if not hasattr(space, "tables"):
-                space.tables = {}
-            own = space.tables.get(op)
+            tables = vars(self._threads.make()).setdefault("tables", {})
+            own = tables.get(op)
             if own is None:
-                own = space.tables[op] = _Own(dict(self._real[op][0]))
+                own = tables[op] = _Own(dict(self._real[op][0]))
             own.depth += 1
             self._inside[op] = self._inside.get(op, 0) + 1
             return own.table.copy()
@@ -155,7 +157,7 @@ class DecompKernels:
         the op gets its own table and its cache back, cleared as torch leaves it, and ``last_out(op)`` runs (torch's
         removal of the fake rule)."""
         with self._lock:
-            tables = self._threads.get().tables
+            tables = self._tables()
             tables[op].depth -= 1
             if tables[op].depth == 0:
                 del tables[op]
@@ -345,12 +347,13 @@ FIX = Fix(
         ),
     ),
     shared_state="OpOverload.py_kernels and OpOverload._dispatch_cache of the ~525 CompositeImplicitAutograd ops "
-    "(2.5: aten.to's variants and the ops preserved), and fake_impls' op_implementations_dict: written by "
-    "_override_composite_implicit_decomp (run_decompositions, export's decomposition), read by the Python dispatcher "
-    "of every thread (AOTAutograd, make_fx, export)",
+    "(2.5: aten.to's variants and the ops preserved), and fake_impls.op_implementations_dict (2.6+): written by "
+    "_override_composite_implicit_decomp (ExportedProgram.run_decompositions), read by the Python dispatcher of "
+    "every thread (AOTAutograd, make_fx, export); the fake rules stay process-wide, counted",
     symptom="a torch.compile training step compiled in another thread meanwhile: weight.grad None after backward(), "
-    "no error, the graph kept (2.13, 2.14.1); after two overlapping calls every later training compile loses those "
-    "gradients",
-    releases_note='before 2.5: "not needed" (no such override); 2.5 overrides aten.to\'s variants and preserved ops '
-    "only (not measured)",
+    "no error, the graph kept (2.10, 2.13, 2.15: every scenario run, 7 of 7); after two overlapping calls every later "
+    "training compile loses those gradients; three threads decomposing at once, no events: RuntimeError 'Trying to "
+    "override a python impl for DispatchKey...', graphs unlike one thread's, gradients lost (2.13, 3 of 3 runs)",
+    releases_note='before 2.5: "not needed" (no such override); 2.5 overrides only aten.to\'s variants and the ops '
+    "a caller preserves, and has no scenario (not measured); 2.6 - 2.15 the same function, 2.8+ word for word",
 )
