@@ -563,3 +563,45 @@ def test_switch_overrides_in_one_thread_are_torchs():
     assert (with_fix[after_export][3][3], without[after_export][3][3]) == (False, torch_undoes_it)
     with_fix[after_export][3][3] = torch_undoes_it
     assert with_fix == without
+
+
+@pytest.mark.skipif(TORCH_VERSION.release < (2, 5), reason="export-decomp-kernels patches torch 2.5+")
+def test_run_decompositions_in_one_thread_makes_torchs_graphs():
+    # export-decomp-kernels gives the decomposing thread its own kernel tables: in one thread, run_decompositions'
+    # graphs must be torch's (the same process after torchfix.uninstall()), and the ops' tables torch's own after.
+    ran = run_ok(
+        """
+import json
+import torchfix, torch
+aten = torch.ops.aten
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.linear = torch.nn.Conv2d(2, 3, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2)
+    def forward(self, x):
+        x = self.norm(self.conv(x).permute(0, 2, 3, 1))
+        return torch.nn.functional.gelu(self.linear(x)).to(torch.float64)
+program = torch.export.export(Model(), (torch.randn(1, 2, 5, 5),))
+def keep_linear():
+    table = getattr(torch.export, "default_decompositions", None)  # 2.6+
+    if table is None:
+        return {}
+    table = table()
+    del table[aten.linear.default]
+    return table
+def graphs():
+    return [program.run_decompositions().graph_module.code, program.run_decompositions(keep_linear()).graph_module.code]
+ops = (aten.linear.default, aten.layer_norm.default, aten.to.dtype)
+tables = [(op, op.py_kernels, dict(op.py_kernels), op._dispatch_cache) for op in ops]
+fixed = graphs()
+seen = {"status": next(s.state.value for s in torchfix.status() if s.name == "export-decomp-kernels")}
+seen["tables_after"] = all(
+    op.py_kernels is kernels and kernels == saved and op._dispatch_cache is cache
+    for op, kernels, saved, cache in tables
+)
+torchfix.uninstall()
+seen["same_graphs"] = graphs() == fixed
+print(json.dumps(seen))
+"""
+    ).json()
+    assert ran == {"status": "applied", "tables_after": True, "same_graphs": True}
