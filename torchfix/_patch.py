@@ -366,6 +366,9 @@ def moved_globals_fix(
     seen_in_backward: bool = True,
     trigger: str = "torch",
     scenarios: tuple[Scenario, ...] = (),
+    shared_state: str = "",
+    symptom: str = "",
+    releases_note: str = "",
 ) -> Fix:
     """A fix that moves globals of one torch module to per-thread storage (:class:`ThreadLocalGlobals`; ``optional``,
     ``own`` and ``seen_in_backward`` are its), and does nothing else: from torch ``first`` (before it, the first of
@@ -390,6 +393,9 @@ def moved_globals_fix(
         order=order,
         trigger=trigger,
         scenarios=scenarios,
+        shared_state=shared_state,
+        symptom=symptom,
+        releases_note=releases_note,
     )
 
 

@@ -1,0 +1,199 @@
+"""function-mode-stack: the torch-function modes a Dynamo trace sets aside belong to the thread that traces (H13).
+
+A Dynamo trace sets the calling thread's torch-function modes aside while it traces (``TorchFunctionMode``s, and
+``with torch.device(...)``, which is one): it enters ``torch._dynamo.variables.torch_function``'s
+``torch_function_mode_stack_state_mgr``, which saves the thread's mode stack in its ``stack`` and clears it, and
+on exit sets the thread's stack back to what ``stack`` holds. Meanwhile the trace reads ``stack`` as the modes
+the traced code runs under (2.12+; they go into the graph and its ``___check_torch_function_mode_stack`` guard),
+and puts it back for a moment to build guards (2.12+) or to convert a numpy array (2.6+). That manager is one
+object for the process (torch 2.6 - 2.15).
+
+Up to torch 2.8 every Dynamo trace holds ``convert_frame.compile_lock`` while it uses it: "not needed" there.
+From 2.9 some traces run without that lock (``convert_frame.fullgraph_capture``): ``torch.compile(...).aot_compile``
+and ``torch._dynamo.aot_compile`` enter the manager themselves without it (2.12+, where aot_compile is on by
+default), and strict ``torch.export`` reads ``stack`` without entering it (2.12+). So a thread compiling inside a
+mode while another thread makes an ``aot_compile`` gets the other thread's (empty) stack back: its compile fails
+its own guard (``AssertionError: Guard failed on the same frame it was created ...
+___check_torch_function_mode_stack``), the thread has lost its mode, and its ``with`` exit raises ``RuntimeError:
+trying to pop from empty mode stack`` (reproduced on 2.13 and 2.14.1); in the other order one thread's modes end up
+on the other thread's stack, and a strict export traces under another thread's modes. On 2.9 - 2.11 only the
+numpy conversion of an unlocked trace reads the manager (another thread's modes, for that conversion): read in
+the source, not reproduced.
+
+Each thread gets a manager of its own: the global moves to per-thread storage (``torch_function._function_modes_tls``,
+:class:`ThreadLocalGlobals`, made by the file's own ``TorchFunctionModeStackStateManager()``); ``convert_frame`` and
+``builder``, which import it by name, read the calling thread's (:class:`ImportedNameUses`); ``aot_compile`` imports
+it inside the function, at each call, through the module's ``__getattr__``. A plain ``threading.local``
+(``seen_in_backward=False``): every trace enters and exits its manager in the thread that traces, and reads it only
+there; a Dynamo trace on autograd's device thread (compiled autograd) enters one of its own, as it must, since the
+thread whose backward it runs may be inside a trace of its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import types
+
+from .._fix import Fix, Scenario, releases
+from .._patch import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
+from .._selftest import Result, fresh
+from .._source import Edit
+
+MODULE = "torch._dynamo.variables.torch_function"
+MANAGER, HOLDER = "torch_function_mode_stack_state_mgr", "_function_modes_tls"
+CONVERT_FRAME = "torch._dynamo.convert_frame"
+# The modules that import the manager by name, at their top.
+_BY_NAME = (CONVERT_FRAME, "torch._dynamo.variables.builder")
+
+
+class _ManagerPerThread(ThreadLocalGlobals):
+    """The manager per thread. No function of its own file uses it (its users import it), so there is nothing to
+    edit there (``verify`` still proves no global access is left); when the fix goes, the module gets back the
+    object that ``convert_frame`` and ``builder`` imported."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            MODULE,
+            MODULE.replace(".", "/") + ".py",
+            HOLDER,
+            {MANAGER: "manager"},
+            own=frozenset({MANAGER}),
+            seen_in_backward=False,
+        )
+        self._original: object = None
+
+    def edits(self, source: str) -> list[Edit]:
+        return []
+
+    def describe(self) -> str:
+        return super().describe() + "; when removed, the module gets back its own manager"
+
+    def _install_state(self, module: types.ModuleType, source: str) -> None:
+        self._original = vars(module)[MANAGER]
+        super()._install_state(module, source)
+
+    def _remove_state(self, module: types.ModuleType) -> None:
+        super()._remove_state(module)
+        vars(module)[MANAGER], self._original = self._original, None
+
+
+def _patches(_torch_version: str) -> list[ThreadLocalGlobals | ImportedNameUses]:
+    return [
+        _ManagerPerThread(),
+        *(
+            ImportedNameUses(module, module.replace(".", "/") + ".py", MODULE, HOLDER, {MANAGER: "manager"})
+            for module in _BY_NAME
+        ),
+    ]
+
+
+def _probe() -> str | None:
+    if not hasattr(importlib.import_module(CONVERT_FRAME), "fullgraph_capture"):
+        return (
+            "every Dynamo trace holds compile_lock in this torch (no fullgraph_capture, the unlocked trace of "
+            "aot_compile and strict export: before torch 2.9), so no two traces share the mode-stack manager"
+        )
+    return moved_global_probe(MODULE, HOLDER, MANAGER, f"{MODULE} has no {MANAGER}")()
+
+
+def _sin_plus_one(x):
+    return x.sin() + 1
+
+
+def _cos_plus_one(x):
+    return x.cos() + 1
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
+def function_modes_elsewhere(timeout: float = 60.0) -> Result | None:
+    """Thread A compiles inside a ``TorchFunctionMode`` and waits in its backend (its trace has set its modes
+    aside); meanwhile the main thread, with no mode, makes an ``aot_compile``. A's compile must run, A must still be
+    inside its mode afterwards and leave it without error; the main thread must have no mode. None where
+    ``aot_compile`` is off by default (before torch 2.12)."""
+    import torch
+
+    if not getattr(torch._dynamo.config, "enable_aot_compile", False):
+        return None
+
+    class PassThrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    inside, release, seen = threading.Event(), threading.Event(), {}
+
+    def held_backend(gm, example_inputs):
+        inside.set()
+        release.wait(timeout)
+        return gm.forward
+
+    def compile_in_mode() -> None:
+        try:
+            with PassThrough():
+                torch.compile(fresh(_sin_plus_one), backend=held_backend)(torch.ones(2))
+                seen["A's modes after its compile"] = torch._C._len_torch_function_stack()
+            seen["A's compile"] = "ran"
+        except Exception as exc:
+            cause = f" (during: {_first_line(exc.__context__)})" if exc.__context__ else ""
+            seen["A's compile"] = f"raised {_first_line(exc)}{cause}"
+        finally:
+            inside.set()
+
+    thread = threading.Thread(target=compile_in_mode, name="torchfix-selftest", daemon=True)
+    thread.start()
+    try:
+        inside.wait(timeout)
+        try:
+            torch.compile(fresh(_cos_plus_one), fullgraph=True, backend="eager").aot_compile(((torch.ones(2),), {}))
+            seen["the main thread's aot_compile"] = "ran"
+        except Exception as exc:
+            seen["the main thread's aot_compile"] = f"raised {_first_line(exc)}"
+        seen["the main thread's modes"] = torch._C._len_torch_function_stack()
+    finally:
+        release.set()
+        thread.join(timeout)
+    expected = {
+        "A's modes after its compile": 1,
+        "A's compile": "ran",
+        "the main thread's aot_compile": "ran",
+        "the main thread's modes": 0,
+    }
+    return Result(
+        "torch-function modes (a compile inside a mode in one thread, an aot_compile in another)",
+        seen != expected,
+        "; ".join(f"{what}: {seen.get(what, 'none')}" for what in expected),
+    )
+
+
+FIX = Fix(
+    name="function-mode-stack",
+    order=410,
+    hazard="a thread compiling inside a TorchFunctionMode (or torch.device context) while another thread "
+    "aot_compiles gets the other thread's mode stack back: 'Guard failed on the same frame it was created', its "
+    "mode lost, 'trying to pop from empty mode stack'",
+    versions=releases("2.9"),
+    probe=_probe,
+    patches=_patches,
+    trigger="torch._dynamo",
+    scenarios=(
+        Scenario(
+            function_modes_elsewhere,
+            releases("2.12"),
+            needs="aot_compile on by default (torch 2.12+)",
+            shows="pop from empty mode stack",
+        ),
+    ),
+    shared_state="torch._dynamo.variables.torch_function.torch_function_mode_stack_state_mgr: one object whose "
+    "stack every Dynamo trace saves the thread's torch-function modes in (torch.compile under compile_lock, "
+    "aot_compile without it), reads as the traced code's modes, and sets back on the thread at its end",
+    symptom="torch 2.13 and 2.14.1: a thread compiling inside a TorchFunctionMode while another thread aot_compiles: "
+    "AssertionError 'Guard failed on the same frame it was created ... ___check_torch_function_mode_stack', the mode "
+    "gone from that thread, and its with-exit raises 'RuntimeError: trying to pop from empty mode stack'; in the "
+    "other order one thread's mode is left on the other's stack",
+    releases_note='before 2.9: "not needed" (every trace holds compile_lock); 2.9 - 2.11: only the numpy conversion '
+    "of an unlocked trace reads it (read, not reproduced; aot_compile is off by default); 2.12 - 2.15: aot_compile "
+    "and strict export use it without the lock",
+)
