@@ -149,7 +149,6 @@ FIX = moved_globals_fix(
             dispatch_mode_flags_elsewhere,
             releases("2.4"),
             shows="while A was in a mode, the main thread (in no mode) read True from is_in_torch_dispatch_mode()",
-            stage=1,
         ),
     ),
     shared_state="torch.utils._python_dispatch._is_in_torch_dispatch_mode, _is_in_non_infra_torch_dispatch_mode and "

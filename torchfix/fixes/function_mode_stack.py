@@ -11,22 +11,22 @@ object for the process (torch 2.6 - 2.15).
 Up to torch 2.8 every Dynamo trace holds ``convert_frame.compile_lock`` while it uses it: "not needed" there.
 From 2.9 some traces run without that lock (``convert_frame.fullgraph_capture``): ``torch.compile(...).aot_compile``
 and ``torch._dynamo.aot_compile`` enter the manager themselves without it (2.12+, where aot_compile is on by
-default), and strict ``torch.export`` reads ``stack`` without entering it (2.12+). So a thread compiling inside a
-mode while another thread makes an ``aot_compile`` gets the other thread's (empty) stack back: its compile fails
-its own guard (``AssertionError: Guard failed on the same frame it was created ...
-___check_torch_function_mode_stack``), the thread has lost its mode, and its ``with`` exit raises ``RuntimeError:
-trying to pop from empty mode stack`` (reproduced on 2.13 and 2.14.1); in the other order one thread's modes end up
-on the other thread's stack, and a strict export traces under another thread's modes. On 2.9 - 2.11 only the
-numpy conversion of an unlocked trace reads the manager (another thread's modes, for that conversion): read in
-the source, not reproduced.
+default). So a thread compiling inside a mode while another thread makes an ``aot_compile`` gets the other thread's
+(empty) stack back: its compile fails its own guard (``AssertionError: Guard failed on the same frame it was created
+... ___check_torch_function_mode_stack``), the thread has lost its mode, and its ``with`` exit raises ``RuntimeError:
+trying to pop from empty mode stack`` (reproduced on 2.13, 2.14.1 and 2.15); in the other order one thread's modes end
+up on the other thread's stack. Strict ``torch.export`` (2.12+) reads ``stack`` without entering it (no effect seen
+on 2.13: a strict export beside a compile inside a mode that turns ``sin`` into ``cos`` kept its ``sin``). On 2.9 -
+2.11 only the numpy conversion of an unlocked trace reads the manager (another thread's modes, for that
+conversion): read in the source, not reproduced.
 
 Each thread gets a manager of its own: the global moves to per-thread storage (``torch_function._function_modes_tls``,
 :class:`ThreadLocalGlobals`, made by the file's own ``TorchFunctionModeStackStateManager()``); ``convert_frame`` and
 ``builder``, which import it by name, read the calling thread's (:class:`ImportedNameUses`); ``aot_compile`` imports
 it inside the function, at each call, through the module's ``__getattr__``. A plain ``threading.local``
 (``seen_in_backward=False``): every trace enters and exits its manager in the thread that traces, and reads it only
-there; a Dynamo trace on autograd's device thread (compiled autograd) enters one of its own, as it must, since the
-thread whose backward it runs may be inside a trace of its own.
+there, so nothing of it has to follow a thread into autograd's device thread: a Dynamo trace there (compiled
+autograd) enters and exits a manager of that thread's own.
 """
 
 from __future__ import annotations
@@ -189,10 +189,11 @@ FIX = Fix(
     shared_state="torch._dynamo.variables.torch_function.torch_function_mode_stack_state_mgr: one object whose "
     "stack every Dynamo trace saves the thread's torch-function modes in (torch.compile under compile_lock, "
     "aot_compile without it), reads as the traced code's modes, and sets back on the thread at its end",
-    symptom="torch 2.13 and 2.14.1: a thread compiling inside a TorchFunctionMode while another thread aot_compiles: "
-    "AssertionError 'Guard failed on the same frame it was created ... ___check_torch_function_mode_stack', the mode "
-    "gone from that thread, and its with-exit raises 'RuntimeError: trying to pop from empty mode stack'; in the "
-    "other order one thread's mode is left on the other's stack",
+    symptom="torch 2.13, 2.14.1 and 2.15: a thread compiling inside a TorchFunctionMode (or a torch.device context) "
+    "while another thread aot_compiles: AssertionError 'Guard failed on the same frame it was created ... "
+    "___check_torch_function_mode_stack', the mode gone from that thread, and its with-exit raises 'RuntimeError: "
+    "trying to pop from empty mode stack' (5 of 5 runs each); in the other order one thread's mode is left on the "
+    "other's stack",
     releases_note='before 2.9: "not needed" (every trace holds compile_lock); 2.9 - 2.11: only the numpy conversion '
     "of an unlocked trace reads it (read, not reproduced; aot_compile is off by default); 2.12 - 2.15: aot_compile "
     "and strict export use it without the lock",
