@@ -22,6 +22,11 @@ Seen in backward: the C++ dispatch-mode stack these flags mirror is part of the 
 copies into its device thread (CUDA) for a thread's backward, so ops there still go through that thread's modes;
 the flags follow the same way (:class:`ThreadSpaces`, torch 2.13+). Before 2.13 the device thread reads False, where
 torch's global said what the last mode entered in any thread left.
+
+Cost: six per-thread writes per mode entered and left (each takes the holder's lock and the C++ stash): a
+``TorchDispatchMode`` ``__enter__`` + ``__exit__`` took 54 us instead of 16 us on the loaded 2-core CPU machine
+(torch 2.13). Modes are entered per region, not per op, except a ``FakeTensor`` op outside its mode: 88 entries in the
+compile and first step of a small MLP (``aot_eager``), about 3 ms of its 14 s.
 """
 
 from __future__ import annotations
@@ -148,14 +153,17 @@ FIX = moved_globals_fix(
         Scenario(
             dispatch_mode_flags_elsewhere,
             releases("2.4"),
+            needs="torch.utils._python_dispatch.is_in_torch_dispatch_mode (torch 2.4+)",
             shows="while A was in a mode, the main thread (in no mode) read True from is_in_torch_dispatch_mode()",
         ),
     ),
     shared_state="torch.utils._python_dispatch._is_in_torch_dispatch_mode, _is_in_non_infra_torch_dispatch_mode and "
     "_is_in_any_mode_without_ignore_compile_internals: set and restored by every TorchDispatchMode's __enter__ and "
     "__exit__; read by is_in_torch_dispatch_mode(), Dynamo's frame callback and Inductor's compiled regions",
-    symptom="torch 2.13 and 2.14.1: is_in_torch_dispatch_mode() True in a thread in no mode while another thread is "
-    "in one; after two threads' modes exit out of order, True in every thread for the process",
+    symptom="torch 2.10, 2.13, 2.14.1 and 2.15: is_in_torch_dispatch_mode() (and its siblings) True in a thread in no "
+    "mode while another thread is in one, and in every thread for the process after two threads' modes exit out of "
+    "order (5 of 5 runs on 2.10, 2.13 and 2.15); on 2.10 a function compiled meanwhile in another thread ran eagerly, "
+    "and after the out-of-order exits no thread's torch.compile compiled anything again",
     releases_note="before 2.4: no such flag; the second and third flags from 2.5 and 2.9, moved where a release "
     "has them",
 )

@@ -192,8 +192,8 @@ FIX = Fix(
     symptom="torch 2.13, 2.14.1 and 2.15: a thread compiling inside a TorchFunctionMode (or a torch.device context) "
     "while another thread aot_compiles: AssertionError 'Guard failed on the same frame it was created ... "
     "___check_torch_function_mode_stack', the mode gone from that thread, and its with-exit raises 'RuntimeError: "
-    "trying to pop from empty mode stack' (5 of 5 runs each); in the other order one thread's mode is left on the "
-    "other's stack",
+    "trying to pop from empty mode stack' (5 of 5 runs on 2.13 and on 2.15); in the other order one thread's mode "
+    "is left on the other's stack",
     releases_note='before 2.9: "not needed" (every trace holds compile_lock); 2.9 - 2.11: only the numpy conversion '
     "of an unlocked trace reads it (read, not reproduced; aot_compile is off by default); 2.12 - 2.15: aot_compile "
     "and strict export use it without the lock",
