@@ -14,11 +14,13 @@ and ``torch._dynamo.aot_compile`` enter the manager themselves without it (2.12+
 default). So a thread compiling inside a mode while another thread makes an ``aot_compile`` gets the other thread's
 (empty) stack back: its compile fails its own guard (``AssertionError: Guard failed on the same frame it was created
 ... ___check_torch_function_mode_stack``), the thread has lost its mode, and its ``with`` exit raises ``RuntimeError:
-trying to pop from empty mode stack`` (reproduced on 2.13, 2.14.1 and 2.15); in the other order one thread's modes end
-up on the other thread's stack. Strict ``torch.export`` (2.12+) reads ``stack`` without entering it (no effect seen
-on 2.13: a strict export beside a compile inside a mode that turns ``sin`` into ``cos`` kept its ``sin``). On 2.9 -
-2.11 only the numpy conversion of an unlocked trace reads the manager (another thread's modes, for that
-conversion): read in the source, not reproduced.
+trying to pop from empty mode stack`` (reproduced on 2.13 and 2.15; 2.14.1's source is the same); in the other order
+(the ``aot_compile`` enters first, and leaves while the compile is still inside) the ``aot_compile``'s thread ends up
+with the compiling thread's mode on its stack, and the compiling thread loses it the same way. Strict
+``torch.export`` (2.12+) reads ``stack`` without entering it (no effect seen on 2.13: a strict export beside a
+compile inside a mode that turns ``sin`` into ``cos`` kept its ``sin``). On 2.9 - 2.11 only the numpy conversion of
+an unlocked trace reads the manager (another thread's modes, for that conversion): read in the source, not
+reproduced.
 
 Each thread gets a manager of its own: the global moves to per-thread storage (``torch_function._function_modes_tls``,
 :class:`ThreadLocalGlobals`, made by the file's own ``TorchFunctionModeStackStateManager()``); ``convert_frame`` and
@@ -109,62 +111,100 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
 
 
+class _CompileInMode:
+    """Thread A: a ``torch.compile`` inside a ``TorchFunctionMode``, waiting in its backend (its trace has set its
+    modes aside) from ``inside`` until ``release``. ``seen`` gets how it went, and A's modes after its compile."""
+
+    def __init__(self, seen: dict[str, object], timeout: float) -> None:
+        import torch
+
+        class PassThrough(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        self.inside, self.release, self.timeout = threading.Event(), threading.Event(), timeout
+
+        def held_backend(gm, example_inputs):
+            self.inside.set()
+            self.release.wait(timeout)
+            return gm.forward
+
+        def compile_in_mode() -> None:
+            try:
+                with PassThrough():
+                    torch.compile(fresh(_sin_plus_one), backend=held_backend)(torch.ones(2))
+                    seen["A's modes after its compile"] = torch._C._len_torch_function_stack()
+                seen["A's compile"] = "ran"
+            except Exception as exc:
+                cause = f" (during: {_first_line(exc.__context__)})" if exc.__context__ else ""
+                seen["A's compile"] = f"raised {_first_line(exc)}{cause}"
+            finally:
+                self.inside.set()
+
+        self.thread = threading.Thread(target=compile_in_mode, name="torchfix-selftest", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        self.inside.wait(self.timeout)
+
+    def finish(self) -> None:
+        self.release.set()
+        self.thread.join(self.timeout)
+
+
+def _aot_compile(backend: object) -> str:
+    import torch
+
+    try:
+        torch.compile(fresh(_cos_plus_one), fullgraph=True, backend=backend).aot_compile(((torch.ones(2),), {}))
+        return "ran"
+    except Exception as exc:
+        return f"raised {_first_line(exc)}"
+
+
+def _one_order(main_first: bool, timeout: float) -> str:
+    """A's compile inside a mode and the main thread's ``aot_compile``, entering the manager in one order and leaving
+    it in the other: what went otherwise than in one thread."""
+    import torch
+
+    seen: dict[str, object] = {}
+    expected: dict[str, object] = {"A's compile": "ran", "A's modes after its compile": 1}
+    if not main_first:
+        expected["the main thread's aot_compile"] = "ran"
+    expected["the main thread's modes after it"] = 0
+    held = _CompileInMode(seen, timeout)
+    try:
+        if main_first:
+
+            def starting_a(gm, example_inputs):  # A enters after the main thread and stays after it leaves
+                held.start()
+                return gm.forward
+
+            _aot_compile(starting_a)  # then raises (its callable does not serialize), fix or not
+        else:
+            held.start()
+            seen["the main thread's aot_compile"] = _aot_compile("eager")
+        seen["the main thread's modes after it"] = torch._C._len_torch_function_stack()
+    finally:
+        held.finish()
+    wrong = [f"{what}: {seen.get(what, 'none')}" for what, value in expected.items() if seen.get(what) != value]
+    return f"{'the main thread' if main_first else 'A'} first: " + ("; ".join(wrong) or "as in one thread")
+
+
 def function_modes_elsewhere(timeout: float = 60.0) -> Result | None:
-    """Thread A compiles inside a ``TorchFunctionMode`` and waits in its backend (its trace has set its modes
-    aside); meanwhile the main thread, with no mode, makes an ``aot_compile``. A's compile must run, A must still be
-    inside its mode afterwards and leave it without error; the main thread must have no mode. None where
-    ``aot_compile`` is off by default (before torch 2.12)."""
+    """Thread A compiles inside a ``TorchFunctionMode`` and waits in its backend while the main thread, in no mode,
+    makes an ``aot_compile``; then the other order: the main thread's ``aot_compile`` starts A's compile and ends while
+    A waits. Each time A's compile must run and leave A inside its mode, and the main thread must end in no mode.
+    None where ``aot_compile`` is off by default (before torch 2.12)."""
     import torch
 
     if not getattr(torch._dynamo.config, "enable_aot_compile", False):
         return None
-
-    class PassThrough(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    inside, release, seen = threading.Event(), threading.Event(), {}
-
-    def held_backend(gm, example_inputs):
-        inside.set()
-        release.wait(timeout)
-        return gm.forward
-
-    def compile_in_mode() -> None:
-        try:
-            with PassThrough():
-                torch.compile(fresh(_sin_plus_one), backend=held_backend)(torch.ones(2))
-                seen["A's modes after its compile"] = torch._C._len_torch_function_stack()
-            seen["A's compile"] = "ran"
-        except Exception as exc:
-            cause = f" (during: {_first_line(exc.__context__)})" if exc.__context__ else ""
-            seen["A's compile"] = f"raised {_first_line(exc)}{cause}"
-        finally:
-            inside.set()
-
-    thread = threading.Thread(target=compile_in_mode, name="torchfix-selftest", daemon=True)
-    thread.start()
-    try:
-        inside.wait(timeout)
-        try:
-            torch.compile(fresh(_cos_plus_one), fullgraph=True, backend="eager").aot_compile(((torch.ones(2),), {}))
-            seen["the main thread's aot_compile"] = "ran"
-        except Exception as exc:
-            seen["the main thread's aot_compile"] = f"raised {_first_line(exc)}"
-        seen["the main thread's modes"] = torch._C._len_torch_function_stack()
-    finally:
-        release.set()
-        thread.join(timeout)
-    expected = {
-        "A's modes after its compile": 1,
-        "A's compile": "ran",
-        "the main thread's aot_compile": "ran",
-        "the main thread's modes": 0,
-    }
+    parts = [_one_order(main_first, timeout) for main_first in (False, True)]
     return Result(
-        "torch-function modes (a compile inside a mode in one thread, an aot_compile in another)",
-        seen != expected,
-        "; ".join(f"{what}: {seen.get(what, 'none')}" for what in expected),
+        "torch-function modes (a compile inside a mode in one thread, an aot_compile in another, both orders)",
+        not all(part.endswith("as in one thread") for part in parts),
+        " | ".join(parts),
     )
 
 
@@ -192,8 +232,8 @@ FIX = Fix(
     symptom="torch 2.13, 2.14.1 and 2.15: a thread compiling inside a TorchFunctionMode (or a torch.device context) "
     "while another thread aot_compiles: AssertionError 'Guard failed on the same frame it was created ... "
     "___check_torch_function_mode_stack', the mode gone from that thread, and its with-exit raises 'RuntimeError: "
-    "trying to pop from empty mode stack' (5 of 5 runs on 2.13 and on 2.15); in the other order one thread's mode "
-    "is left on the other's stack",
+    "trying to pop from empty mode stack'; in the other order the aot_compiling thread is left with the other's mode "
+    "on its stack (both, 5 of 5 runs on 2.13 and on 2.15)",
     releases_note='before 2.9: "not needed" (every trace holds compile_lock); 2.9 - 2.11: only the numpy conversion '
     "of an unlocked trace reads it (read, not reproduced; aot_compile is off by default); 2.12 - 2.15: aot_compile "
     "and strict export use it without the lock",
