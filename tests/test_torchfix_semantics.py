@@ -605,3 +605,92 @@ print(json.dumps(seen))
 """
     ).json()
     assert ran == {"status": "applied", "tables_after": True, "same_graphs": True}
+
+
+@pytest.mark.skipif(TORCH_VERSION.release < (2, 4), reason="neither fix applies before torch 2.4")
+def test_modes_in_one_thread_trace_and_answer_as_torch_does():
+    # function-mode-stack and dispatch-mode-flags in one thread: the same graphs, frames and recompiles for code
+    # compiled inside a TorchFunctionMode and a torch.device context (and aot_compile'd inside one), the same
+    # is_in_torch_dispatch_mode() answers, the same exports, with the fixes as without; and removed in another
+    # thread, the fix leaves torch_function the manager that convert_frame imported.
+    ran = run_ok(
+        """
+import json, threading
+import torch, torch._dynamo, torchfix
+from torchfix import fixes
+from torchfix._fix import revert_all
+from torch._dynamo.utils import counters
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _python_dispatch as dispatch
+
+class Function(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+class Dispatch(dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+class Module(torch.nn.Module):
+    def forward(self, x):
+        return torch.ones(2) + x.relu()
+
+def in_dispatch_modes():
+    answers = [dispatch.is_in_torch_dispatch_mode()]
+    with Dispatch():
+        answers.append(dispatch.is_in_torch_dispatch_mode())
+        with FakeTensorMode():
+            answers.append(str(torch.ones(2, 3).sin().shape))
+            answers.append(dispatch.is_in_torch_dispatch_mode())
+    with FakeTensorMode():
+        answers.append(dispatch.is_in_torch_dispatch_mode())
+    return answers + [dispatch.is_in_torch_dispatch_mode()]
+
+def workload():
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+    compiled = torch.compile(lambda x: torch.ones(2) + x.sin(), backend=backend)
+    with Function():
+        compiled(torch.ones(2)), compiled(torch.ones(2))
+    compiled(torch.ones(2))
+    with torch.device("cpu"):
+        compiled(torch.ones(2)), compiled(torch.ones(2))
+    with Function(), torch.device("meta"):
+        seen = {"device": str(compiled(torch.ones(2)).device)}
+    if getattr(torch._dynamo.config, "enable_aot_compile", False):  # on by default from 2.12
+        with Function():
+            aot = torch.compile(lambda x: x.cos() * 2, fullgraph=True, backend="eager")
+            seen["aot_compile"] = aot.aot_compile(((torch.ones(2),), {}))(torch.ones(2)).tolist()
+            seen["modes after aot_compile"] = torch._C._len_torch_function_stack()
+    seen["in dispatch modes"] = in_dispatch_modes()
+    seen["export"] = torch.export.export(Module(), (torch.ones(2),)).graph_module.code
+    seen["counters"] = {k: dict(counters[k]) for k in ("frames", "stats", "graph_break", "recompiles")}
+    return {**seen, "graphs": graphs}
+
+version = str(torch.__version__)
+before = workload()
+by_name = {fix.name: fix for fix in fixes.ALL}
+applied = {name: by_name[name].apply(version) for name in ("function-mode-stack", "dispatch-mode-flags")}
+after = workload()
+import torch._dynamo.convert_frame as convert_frame, torch._dynamo.variables.torch_function as torch_function
+name = "torch_function_mode_stack_state_mgr"  # 2.6+
+manager = vars(convert_frame).get(name)
+remover = threading.Thread(target=revert_all, args=(applied["function-mode-stack"][1],))
+remover.start(); remover.join()
+revert_all(applied["dispatch-mode-flags"][1])
+print(json.dumps({
+    "states": {name: status.state.value for name, (status, _) in applied.items()},
+    "changed": sorted(key for key in before if before[key] != after[key]),
+    "manager is convert_frame's after removal": getattr(torch_function, name, None) is manager,
+    "graphs": len(before["graphs"]),
+}))
+""",
+        disable="1",
+    ).json()
+    assert ran["changed"] == [] and ran["manager is convert_frame's after removal"], ran
+    assert ran["graphs"] >= 2, ran  # compiled inside the mode, and again outside it (the mode-stack guard)
+    assert ran["states"]["dispatch-mode-flags"] == "applied", ran
