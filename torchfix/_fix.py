@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from ._cache import rebuilt_on_failure
+
 if TYPE_CHECKING:
     from ._selftest import Result
 
@@ -169,6 +171,14 @@ class Fix:
                 f"the hazard is present but torch {torch_version} is outside the releases this fix "
                 f"was written for ({self.versions}); nothing was patched",
             ), []
+        try:
+            # An entry of torchfix's cache that does not apply is rebuilt: the fix is tried again without it.
+            applied = rebuilt_on_failure(lambda: self._apply_all(torch_version))
+        except Exception as exc:
+            return self._status(State.UNSUPPORTED, f"{exc} (nothing was patched)"), []
+        return self._status(State.APPLIED, f"patched {', '.join(p.module_name for p in applied if p.patched)}"), applied
+
+    def _apply_all(self, torch_version: str) -> list[Patch]:
         applied: list[Patch] = []
         try:
             for patch in self.patches(torch_version):
@@ -176,10 +186,10 @@ class Fix:
                 applied.append(patch)
             for patch in applied:
                 patch.verify()
-        except Exception as exc:
+        except Exception:
             revert_all(applied)
-            return self._status(State.UNSUPPORTED, f"{exc} (nothing was patched)"), []
-        return self._status(State.APPLIED, f"patched {', '.join(p.module_name for p in applied if p.patched)}"), applied
+            raise
+        return applied
 
     def diff(self, torch_version: str, read_source: Callable[[str], str]) -> str:
         """The fix's edits to a torch release as a unified diff; ``read_source`` maps a path like

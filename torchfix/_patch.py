@@ -12,6 +12,7 @@ import dataclasses
 import dis
 import importlib
 import importlib.util
+import itertools
 import os
 import threading
 import types
@@ -183,8 +184,7 @@ def _module_level_names(source: str) -> set[str]:
     names = set()
     for node in parse(source).body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(target.id for target in targets if isinstance(target, ast.Name))
+            names.update(target.id for target in _assign_targets(node) if isinstance(target, ast.Name))
     return names
 
 
@@ -216,23 +216,51 @@ class _Default:
 
 
 def _module_level_defaults(source: str, names: set[str]) -> dict[str, _Default]:
-    """The defaults of ``names``, from their module-level assignments (kept between processes: ``_cache``)."""
-    rows = cached(
-        "defaults",
-        (digest(source), repr(sorted(names))),
-        lambda: {name: dataclasses.astuple(default) for name, default in _parse_defaults(source, names).items()},
-    )
-    return {name: _Default(*row) for name, row in rows.items()}
+    """The defaults of ``names``, from their module-level assignments.
+
+    Kept between processes (``_cache``) as where those assignments are in the file (offsets: data, never code),
+    so a warm start parses those lines alone, of torch's own file, as a cold one does. An entry that points at
+    anything but whole lines, or whose lines do not assign the names, raises (and is rebuilt)."""
+    spans = cached("defaults", (digest(source), repr(sorted(names))), lambda: _assignment_spans(source, names))
+    return _parse_defaults("".join(_whole_lines(source, start, end) for start, end in spans), names)
 
 
-def _parse_defaults(source: str, names: set[str]) -> dict[str, _Default]:
+def _assignment_spans(source: str, names: set[str]) -> list[tuple[int, int]]:
+    """Where the module-level statements assigning any of ``names`` are: (first, past last) character offsets
+    of their lines."""
+    line_starts = [0, *itertools.accumulate(len(line) + 1 for line in source.split("\n"))]
+    return [
+        (line_starts[node.lineno - 1], min(line_starts[node.end_lineno], len(source)))
+        for node in parse(source).body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and node.value is not None
+        and any(isinstance(t, ast.Name) and t.id in names for t in _assign_targets(node))
+    ]
+
+
+def _whole_lines(source: str, start: object, end: object) -> str:
+    if not (
+        type(start) is int
+        and type(end) is int
+        and 0 <= start < end <= len(source)
+        and (start == 0 or source[start - 1] == "\n")
+        and (end == len(source) or source[end - 1] == "\n")
+    ):
+        raise ShapeError(f"the cached defaults name characters {start!r} - {end!r}, not whole lines of the file")
+    return source[start:end] if source[end - 1] == "\n" else source[start:end] + "\n"
+
+
+def _assign_targets(node: ast.Assign | ast.AnnAssign) -> list[ast.expr]:
+    return node.targets if isinstance(node, ast.Assign) else [node.target]
+
+
+def _parse_defaults(statements: str, names: set[str]) -> dict[str, _Default]:
     found = {}
-    for node in parse(source).body:
+    for node in ast.parse(statements).body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for target in targets:
+            for target in _assign_targets(node):
                 if isinstance(target, ast.Name) and target.id in names:
-                    text = segment(source, node.value)
+                    text = ast.get_source_segment(statements, node.value)
                     try:
                         value = ast.literal_eval(node.value)
                     except ValueError:
