@@ -109,7 +109,9 @@ def _corpus(every: int, disable: bool, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "results.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-        env |= {"TORCHINDUCTOR_CACHE_DIR": folder, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        # One hash seed for both runs: some samples iterate a set of strings (meshgrid's indexing), whose order
+        # differs between interpreters otherwise.
+        env |= {"TORCHINDUCTOR_CACHE_DIR": folder, "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONHASHSEED": "0"}
         if disable:
             env["TORCHFIX_DISABLE"] = "1"
         code = CORPUS.replace("{every}", str(every)).replace("{out!r}", repr(str(out)))
