@@ -177,6 +177,7 @@ def export_main(argv: list[str]) -> int:
         if not run.is_dir():
             raise ConfigError(f"RUN_DIR {run} {'is not a folder' if run.exists() else 'does not exist'}")
         run_dir.check_folder(args.out_dir, "OUT_DIR", create=False)
+        run_dir.check_export_folder(Path(args.out_dir))
         check_train_extra()
         from .export import export_run
 

@@ -25,13 +25,11 @@ from transformers import Qwen3Config
 from .checkpoint import FORMAT
 from .config import ConfigError
 from .model import Drafter
+from .run_dir import EXPORT_MARKER, check_export_folder
 from .target import TINY_MARKER, Target
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 WEIGHTS, CONFIG, CARD = "model.safetensors", "config.json", "README.md"
-# Written last into every export: the names of the files it wrote. A folder holding it and only those files is
-# an earlier export, which a new one may replace; export writes into no other folder that is not empty.
-MARKER = ".dflash_train_export.json"
 # A drafter layer's attention parts, which the reference nests in ``self_attn``.
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
@@ -67,7 +65,8 @@ def write_export(
     tmp = _new_sibling(out_dir, "tmp")
     tmp.mkdir(parents=True)
     _write_files(tmp, config, tensors)
-    (tmp / MARKER).write_text(json.dumps({"written_by": "dflash_train export", "files": sorted(os.listdir(tmp))}))
+    written = {"written_by": "dflash_train export", "files": sorted(os.listdir(tmp))}
+    (tmp / EXPORT_MARKER).write_text(json.dumps(written))
     if out_dir.exists():  # empty or an earlier export (checked above): a rename cannot replace a folder
         old = _new_sibling(out_dir, "old")
         os.replace(out_dir, old)
@@ -81,30 +80,6 @@ def write_export(
 def _new_sibling(folder: Path, what: str) -> Path:
     """A name beside ``folder`` that nothing has."""
     return folder.with_name(f".{folder.name}.{what}-{uuid.uuid4().hex[:12]}")
-
-
-def check_export_folder(out_dir: Path) -> None:
-    """Raise ConfigError unless ``out_dir`` is missing, empty, or an earlier export holding only what it wrote."""
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        raise ConfigError(f"export folder {out_dir} is a file: give a new or empty folder")
-    present = set(os.listdir(out_dir))
-    if not present:
-        return
-    try:
-        written = set(json.loads((out_dir / MARKER).read_text())["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(
-            f"export folder {out_dir} holds files and is not an exported drafter (no {MARKER} in it): give a new or "
-            "empty folder"
-        ) from None
-    if present - written - {MARKER}:
-        extra = ", ".join(sorted(present - written - {MARKER}))
-        raise ConfigError(
-            f"export folder {out_dir} is an earlier export with files added ({extra}): give a new or empty folder, "
-            "or move them out"
-        )
 
 
 def _write_files(folder: Path, config: Qwen3Config, tensors: dict[str, torch.Tensor]) -> None:

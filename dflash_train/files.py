@@ -2,7 +2,8 @@
 
 * ``save_safetensors``, ``replace_text``: a file replaced whole or not at all, on disk (fsynced) before it takes
   the old one's place; a full disk is one line (``OutOfSpace``), not a write error in a worker's traceback;
-* ``RunLock``: one run at a time in an --out-dir, and ``remove_leftovers`` of the saves a kill cut short there;
+* ``RunLock``: one run at a time in an --out-dir (``check_not_in_use`` looks before torch is imported), and
+  ``remove_leftovers`` of the saves a kill cut short there;
 * ``private_compile_caches``: Inductor's (and Triton's) compiled code in a folder only this user can write.
 
 This module must not import torch: ``__main__`` sets the compile caches up *before* torch is imported.
@@ -105,22 +106,38 @@ def remove_leftovers(folder: Path) -> list[str]:
     return sorted(removed)
 
 
+def _lock(fd: int, folder: Path) -> None:
+    """Take the exclusive lock on ``fd``, ``folder``'s lock file, or close it and raise ConfigError naming the run
+    that holds it (its process id is the file's text)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(
+            f"--out-dir {folder} is in use by another run (process {holder}): wait for it to end or give "
+            "another --out-dir"
+        ) from None
+
+
+def check_not_in_use(folder: Path) -> None:
+    """Raise RunLock's ConfigError if another run holds ``folder``'s lock now: a cheap look before torch is
+    imported, so that a second run is told so whatever its flags. Writes nothing; RunLock takes the lock."""
+    try:
+        fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY)
+    except OSError:  # no lock file (no run was ever there) or none readable: RunLock tells later
+        return
+    _lock(fd, folder)
+    os.close(fd)  # releases it at once
+
+
 class RunLock:
     """An exclusive lock on ``folder`` for the life of this run (``fcntl.flock`` on a file in it, which the
     system releases when the process ends, even by SIGKILL): a second run there stops with ConfigError."""
 
     def __init__(self, folder: Path) -> None:
-        path = Path(folder) / LOCK_NAME
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            raise ConfigError(
-                f"--out-dir {folder} is in use by another run (process {holder}): wait for it to end or give "
-                "another --out-dir"
-            ) from None
+        self._fd = os.open(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        _lock(self._fd, folder)
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import SECTIONS, ConfigError, Ranks, TrainConfig, make_config, read_config_file, tap_layer_ids
+from .files import check_not_in_use
 
 CONFIG, METRICS, PLOT, CHECKPOINT, PROFILE = (
     "config.toml",
@@ -30,6 +31,9 @@ CONFIG, METRICS, PLOT, CHECKPOINT, PROFILE = (
     "checkpoint.safetensors",
     "profile",
 )
+# Written last into every export: the names of the files it wrote. A folder holding it and only those files is
+# an earlier export, which a new one may replace; export writes into no other folder that is not empty.
+EXPORT_MARKER = ".dflash_train_export.json"
 
 
 def _flag(name: str) -> str:
@@ -68,6 +72,9 @@ def check_paths(cfg: TrainConfig, ranks: Ranks | None = None) -> None:
     """Every path of the run, before anything slow: the target and the text exist, the drafter's depth fits the
     target, the folders written are folders and writable, and the run folder's rules (see the module)."""
     ranks = ranks or Ranks.from_env()
+    out = Path(cfg.out_dir)
+    if ranks.is_main:  # first: a second run there is told so, whatever its flags
+        check_not_in_use(out)
     if cfg.target != "tiny":
         target_config = Path(cfg.target) / "config.json"
         if not target_config.is_file():
@@ -80,7 +87,6 @@ def check_paths(cfg: TrainConfig, ranks: Ranks | None = None) -> None:
             tap_layer_ids(layers, cfg.drafter_layers)
     if cfg.data != "stdlib" and not Path(cfg.data).exists():
         raise ConfigError(f"--data: {cfg.data} does not exist")
-    out = Path(cfg.out_dir)
     if cfg.resume:
         if not (out / CHECKPOINT).is_file():
             missing = f"{out} does not exist" if not out.exists() else "run once without --resume"
@@ -104,6 +110,7 @@ def check_paths(cfg: TrainConfig, ranks: Ranks | None = None) -> None:
             )
     if ranks.is_main and cfg.export:
         check_folder(cfg.export, "--export", create=False)
+        check_export_folder(Path(cfg.export))
     if ranks.is_main and not cfg.resume and not cfg.overwrite and out.is_dir() and holds_run(out):
         raise ConfigError(
             f"--out-dir {cfg.out_dir} holds a run: continue it with --resume, delete it with --overwrite, or give "
@@ -113,6 +120,30 @@ def check_paths(cfg: TrainConfig, ranks: Ranks | None = None) -> None:
     # The folders made last, so that no mistake leaves one behind.
     check_folder(cfg.out_dir, "--out-dir", create=ranks.is_main)
     check_folder(cfg.cache_dir, "--cache-dir", create=True)
+
+
+def check_export_folder(out_dir: Path) -> None:
+    """Raise ConfigError unless ``out_dir`` is missing, empty, or an earlier export holding only what it wrote."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ConfigError(f"export folder {out_dir} is a file: give a new or empty folder")
+    present = set(os.listdir(out_dir))
+    if not present:
+        return
+    try:
+        written = set(json.loads((out_dir / EXPORT_MARKER).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(
+            f"export folder {out_dir} holds files and is not an exported drafter (no {EXPORT_MARKER} in it): give a "
+            "new or empty folder"
+        ) from None
+    if present - written - {EXPORT_MARKER}:
+        extra = ", ".join(sorted(present - written - {EXPORT_MARKER}))
+        raise ConfigError(
+            f"export folder {out_dir} is an earlier export with files added ({extra}): give a new or empty folder, "
+            "or move them out"
+        )
 
 
 # --- the run's config.toml ------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from .config import ConfigError, Ranks, TrainConfig, parse_devices
 from .data import TrainingData, eval_prompts
 from .distributed import Collectives
 from .evaluate import acceptance_length, show_blocks
-from .export import check_export_folder, write_export
+from .export import write_export
 from .files import RunLock, remove_leftovers
 from .flops import peak_flops, step_flops
 from .model import Drafter, drafter_config, make_replicas
@@ -188,8 +188,6 @@ class Trainer:
             if cfg.resume:
                 print(run_dir.resume_note(cfg), flush=True)
             run_dir.start_run(cfg)
-        if cfg.export:  # refused now rather than after the training
-            check_export_folder(Path(cfg.export))
         offset = cuda_offset(cfg, ranks)
         self.target_devices = resolve_devices(cfg.target_devices, "--target-devices", offset)
         self.drafter_devices = [

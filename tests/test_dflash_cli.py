@@ -309,12 +309,32 @@ def test_mistakes_are_one_line_and_exit_2_before_torch_is_imported(tmp_path):
         (["export", run, str(tmp_path / "out")], f"RUN_DIR {run} does not exist"),
         (["export", str(tmp_path), str(a_file)], f"OUT_DIR {a_file} is a file, not a folder"),
     ]
+    # Folders that are not the run's to write in: another's files, a compile cache others can write, one in use.
+    not_ours, busy, shared = tmp_path / "not-ours", tmp_path / "busy", tmp_path / "shared"
+    for folder in (not_ours, busy, shared / "inductor"):
+        folder.mkdir(parents=True)
+    (not_ours / "NOTES.md").write_text("mine")
+    (shared / "inductor").chmod(0o777)
+    not_an_export = f"export folder {not_ours} holds files and is not an exported drafter"
+    elsewhere = [*tiny_flags(tmp_path), "--out-dir", str(busy)]  # a run folder is made before the cache's check
+    cases += [
+        ([*tiny_flags(tmp_path), "--export", str(not_ours)], not_an_export),
+        (["export", str(tmp_path), str(not_ours)], not_an_export),
+        ([*elsewhere, "--cache-dir", str(shared)], f"compile cache {shared / 'inductor'} (TORCHINDUCTOR_CACHE_DIR) "),
+    ]
     for args, message in cases:
-        ran = run_main(args)
+        ran = run_main(args, setup="import os; os.environ.pop('TORCHINDUCTOR_CACHE_DIR', None)")
         assert ran.returncode == 2, (args, ran.stderr)
         assert len(ran.stderr.splitlines()) == 1 and message in ran.stderr, (args, ran.stderr)
         assert ran.stdout == "torch not imported\n", (args, ran.stdout)
+    # Another run holds the folder (here, a lock of this process's own): so it is told, whatever its flags.
+    held = f"from dflash_train.files import RunLock; lock = RunLock({str(busy)!r})"
+    for flags in ([], ["--resume"]):
+        ran = run_main([*elsewhere, *flags], setup=held)
+        assert ran.returncode == 2 and f"error: --out-dir {busy} is in use by another run (process " in ran.stderr
+        assert ran.stdout == "torch not imported\n", ran.stdout
     assert a_file.read_text() == "mine" and not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+    assert (not_ours / "NOTES.md").read_text() == "mine" and os.listdir(not_ours) == ["NOTES.md"]
     helped = run_main(["--help"])
     assert helped.returncode == 0 and "python -m dflash_train export RUN_DIR OUT_DIR" in " ".join(helped.stdout.split())
     missing = run_main(tiny_flags(tmp_path), setup="sys.modules['tqdm'] = None  # as if it were not installed")
