@@ -51,8 +51,8 @@ def test_sigterm_saves_a_checkpoint_exits_143_and_prints_the_resume_command(tmp_
     assert "SIGTERM: finishing this step and saving a checkpoint" in stdout
     step = int(stderr.split("interrupted at step ")[1].split(";")[0])
     assert checkpoint_step(tmp_path / "run") == step
-    command = stderr.split("Continue it with: ")[1].strip()
-    assert command == " ".join(["python", "-m", "dflash_train", *args, "--resume"]), command
+    command = stderr.split("Continue it with: ")[1].splitlines()[0]  # as Ctrl-C's (run in test_dflash_cli)
+    assert command == f"python -m dflash_train --resume --out-dir {tmp_path / 'run'}", command
 
 
 def test_a_second_sigterm_quits_at_once(tmp_path):
@@ -76,18 +76,22 @@ def test_a_second_sigterm_quits_at_once(tmp_path):
 
 
 def test_a_killed_run_resumes_with_consistent_metrics_and_no_leftovers(tmp_path):
-    """While a run trains, a second run on its --out-dir is refused. Killed (SIGKILL) two steps past its last
-    checkpoint, in the middle of a metrics line and of a save, it resumes with every step logged once, a resume
-    record where it picked up, the torn line and the temporary files gone."""
+    """While a run trains, a second run on its --out-dir is refused, whatever its flags. Killed (SIGKILL) two
+    steps past its last checkpoint, in the middle of a metrics line and of a save, it resumes with every step
+    logged once, a resume record where it picked up, the torn line and the temporary files gone."""
     run, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
     flags = [*tiny_flags(tmp_path), "--no-compile", "--eval-prompts", "0", "--save-every", "4"]
     # Steps 1 to 6 done, the checkpoint of step 4 saved, and no further: a drafter hangs in step 7.
     proc = start_training([*flags, "--steps", "100000", "--fault", "hang@drafter:6"], metrics)
     try:
-        second = run_cli([*flags, "--steps", "1"], timeout=120)
-        assert second.returncode == 2, second.stderr
-        assert f"error: --out-dir {run} is in use by another run (process {proc.pid})" in second.stderr
-        assert "Traceback" not in second.stderr
+        # As a new run (the folder holds a run) and as --resume (no checkpoint yet): the lock is what they hear.
+        for again in ([], ["--resume"]):
+            second = run_cli([*flags, "--steps", "1", *again], timeout=120)
+            assert second.returncode == 2, second.stderr
+            assert second.stderr == (
+                f"dflash-train: error: --out-dir {run} is in use by another run (process {proc.pid}): wait for it "
+                "to end or give another --out-dir\n"
+            )
         deadline = time.monotonic() + 120
         while train_steps(metrics)[-1:] != [6]:
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
@@ -177,7 +181,8 @@ def test_a_damaged_cached_target_or_data_file_is_made_again(tiny, tmp_path, caps
 
     from dflash_train.train import train
 
-    cfg = dataclasses.replace(tiny, cache_dir=str(tmp_path / "cache"), regenerate=8, steps=1)
+    # Each train() a new run in the one --out-dir: the cache is what they share.
+    cfg = dataclasses.replace(tiny, cache_dir=str(tmp_path / "cache"), regenerate=8, steps=1, overwrite=True)
     train(cfg)
     (target,) = (tmp_path / "cache").glob("tiny-target-*")
     (data,) = (tmp_path / "cache").glob("regenerated-*.safetensors")  # made with that target: damaged first
@@ -198,9 +203,7 @@ def test_a_damaged_cached_target_or_data_file_is_made_again(tiny, tmp_path, caps
 
 def test_the_compile_cache_is_a_private_folder_of_the_cache_dir(tmp_path, main_env):  # noqa: F811
     os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    with pytest.raises(SystemExit) as exit_info:
-        main([*tiny_flags(tmp_path), "--resume"])  # stops (no checkpoint) once torch is imported
-    assert exit_info.value.code == 2
+    assert main([*tiny_flags(tmp_path), "--no-compile", "--eval-prompts", "0", "--steps", "1"]) == 0
     folder = tmp_path / "cache" / "inductor"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
     assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.geteuid()
@@ -237,17 +240,20 @@ def test_a_compile_cache_that_is_not_private_is_refused(tmp_path, capsys, main_e
             os.environ[variable] = str(folder)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
     with pytest.raises(SystemExit) as exit_info:
-        main([*tiny_flags(tmp_path), "--resume"])
+        main(tiny_flags(tmp_path))  # a run that would start
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"dflash-train: error: compile cache {folder} ({variable}) {problem}: "), err
+    # Refused before anything ran: no target built, no run begun.
+    assert not list((tmp_path / "cache").glob("tiny-target-*")) and not (tmp_path / "run" / "config.toml").exists()
 
 
 # --- the export folder -------------------------------------------------------------------------------------------
 
 
 def test_export_writes_only_into_a_new_empty_or_earlier_export_folder(tiny, tmp_path, capsys, main_env):  # noqa: F811
-    from dflash_train.export import MARKER, export_run
+    from dflash_train.export import export_run
+    from dflash_train.run_dir import EXPORT_MARKER
     from dflash_train.train import train
 
     train(dataclasses.replace(tiny, steps=1))
@@ -267,12 +273,15 @@ def test_export_writes_only_into_a_new_empty_or_earlier_export_folder(tiny, tmp_
     out = tmp_path / "out"
     out.mkdir()  # empty
     export_run(run, out)
-    assert (out / MARKER).is_file()
+    assert (out / EXPORT_MARKER).is_file() and (out / "README.md").is_file()  # the model card is the export's
     export_run(run, out)  # over an earlier export
-    (out / "README.md").write_text("my notes")
-    with pytest.raises(ConfigError, match=r"an earlier export with files added \(README.md\)"):
+    (out / "NOTES.md").write_text("my notes")
+    with pytest.raises(ConfigError, match=r"an earlier export with files added \(NOTES.md\)"):
         export_run(run, out)
-    assert (out / "README.md").read_text() == "my notes"
+    with pytest.raises(SystemExit) as exit_info:  # the command line refuses it at start, before torch
+        main(["export", run, str(out)])
+    assert exit_info.value.code == 2 and "an earlier export with files added (NOTES.md)" in capsys.readouterr().err
+    assert (out / "NOTES.md").read_text() == "my notes"
     (tmp_path / "file").write_text("a file")
     with pytest.raises(ConfigError, match="is a file"):
         export_run(run, tmp_path / "file")
