@@ -1,17 +1,117 @@
-"""Shared test helpers. Everything that touches torch's global state runs in a fresh interpreter:
-a stuck flag, a deadlock or a half-patched torch must not leak into other tests."""
+"""Shared test helpers. Everything that touches torch's global state runs in an interpreter of its own (a fresh
+one, or a child of the fork server that has imported torch only): a stuck flag, a deadlock or a half-patched
+torch must not leak into other tests."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from packaging.version import Version
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> object:
+        """The last stdout line, parsed: scripts report their findings that way."""
+        lines = self.stdout.strip().splitlines()
+        assert lines, f"no output; stderr:\n{self.stderr}"
+        return json.loads(lines[-1])
+
+
+def _test_env(disable: str | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    # Inductor forks its compile-worker pool when it is imported, which can be mid-run, from a compiling
+    # thread. The scenarios never use those workers, and on a loaded 2-core machine a pool forked beside
+    # live threads hung interpreter exit past the timeout (torch 2.3).
+    full_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if disable is not None:
+        full_env["TORCHFIX_DISABLE"] = disable
+    full_env.update(env or {})
+    return full_env
+
+
+def run_python(
+    code: str, *, disable: str | None = None, env: dict[str, str] | None = None, timeout: float = 180, args=()
+) -> Ran:
+    """Run ``code`` in a new interpreter. ``disable`` sets TORCHFIX_DISABLE (``"1"`` for all)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env=_test_env(disable, env),
+        timeout=timeout,
+    )
+    return Ran(proc.returncode, proc.stdout, proc.stderr)
+
+
+class _ForkServer:
+    """This test process's fork server (tests/fork_server.py), started at its first use."""
+
+    source = (Path(__file__).parent / "fork_server.py").read_text()
+    process: subprocess.Popen | None = None
+    env: dict[str, str] = {}
+
+    @classmethod
+    def request(cls, **request) -> dict:
+        if cls.process is None or cls.process.poll() is not None:
+            cls.process = subprocess.Popen(
+                [sys.executable, "-c", cls.source],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=_test_env(),
+            )
+            atexit.register(cls.stop, cls.process)
+            ready = json.loads(cls.process.stdout.readline())
+            assert ready["ready"] == 1, f"the fork server started with {ready['ready']} threads"
+            cls.env = ready["env"]
+        cls.process.stdin.write(json.dumps(request) + "\n")
+        cls.process.stdin.flush()
+        reply = cls.process.stdout.readline()
+        assert reply, f"the fork server died (exit {cls.process.wait()})"
+        return json.loads(reply)
+
+    @staticmethod
+    def stop(process: subprocess.Popen) -> None:
+        process.stdin.close()  # the server ends at the end of its input
+        process.wait(60)
+
+
+def run_forked(
+    code: str, *, disable: str | None = None, env: dict[str, str] | None = None, timeout: float = 180, args=()
+) -> Ran:
+    """``run_python``, in a child forked from an interpreter that has imported torch (not torchfix): for code that
+    imports torchfix itself and does not test what happens before torch is imported. Saves ~2 CPU seconds a run.
+    Only TORCHFIX_ (and pytest's) variables may differ from the server's environment: torch read the rest at its
+    import."""
+    full_env = _test_env(disable, env)
+    server = _ForkServer.env or _test_env()
+    differs = {k for k in {*full_env, *server} - {"OPENBLAS_NUM_THREADS"} if full_env.get(k) != server.get(k)}
+    assert all(k.startswith(("TORCHFIX_", "PYTEST_")) for k in differs), f"run_forked cannot set {sorted(differs)}"
+    reply = _ForkServer.request(code=textwrap.dedent(code), env=full_env, args=list(args), timeout=timeout)
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(["<forked>", "-c", code], timeout, reply["stdout"], reply["stderr"])
+    return Ran(reply["returncode"], reply["stdout"], reply["stderr"])
+
+
+def run_ok(code: str, *, forked: bool = False, **kwargs) -> Ran:
+    """``run_python`` (``run_forked`` if ``forked``), asserting that the script exits 0."""
+    ran = (run_forked if forked else run_python)(code, **kwargs)
+    assert ran.returncode == 0, f"exit {ran.returncode}\nstdout:\n{ran.stdout}\nstderr:\n{ran.stderr}"
+    return ran
+
 
 # Every fix (in the order they apply) and its self-test scenarios as the fix declares them (torchfix._fix.Scenario),
 # evaluated for this torch, and torch's version: read in a fresh interpreter (importing torchfix here would patch
@@ -31,15 +131,7 @@ scenarios = [
 ]
 print(json.dumps({"torch": here, "fixes": found, "scenarios": scenarios}))
 """
-_declared = json.loads(
-    subprocess.run(
-        [sys.executable, "-c", _DECLARED],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "TORCHFIX_DISABLE": "1"},
-    ).stdout.splitlines()[-1]
-)
+_declared = run_ok(_DECLARED, disable="1", forked=True).json()
 TORCH_VERSION = Version(_declared["torch"])
 FIXES: list[dict] = _declared["fixes"]
 SCENARIOS: list[dict] = _declared["scenarios"]
@@ -72,47 +164,6 @@ TORCH_CRASHES_ON_CONCURRENT_RECOMPILE = (2, 10) <= TORCH_VERSION.release < (2, 1
 TORCH_CRASHES_ON_CONCURRENT_MAKE_FX = any(
     s["crashes"] for s in SCENARIOS if s["function"] == "make_fx_tracer_elsewhere"
 )
-
-
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-    def json(self) -> object:
-        """The last stdout line, parsed: scripts report their findings that way."""
-        lines = self.stdout.strip().splitlines()
-        assert lines, f"no output; stderr:\n{self.stderr}"
-        return json.loads(lines[-1])
-
-
-def run_python(
-    code: str, *, disable: str | None = None, env: dict[str, str] | None = None, timeout: float = 180, args=()
-) -> Ran:
-    """Run ``code`` in a new interpreter. ``disable`` sets TORCHFIX_DISABLE (``"1"`` for all)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-    # Inductor forks its compile-worker pool when it is imported, which can be mid-run, from a compiling
-    # thread. The scenarios never use those workers, and on a loaded 2-core machine a pool forked beside
-    # live threads hung interpreter exit past the timeout (torch 2.3).
-    full_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    if disable is not None:
-        full_env["TORCHFIX_DISABLE"] = disable
-    full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-    )
-    return Ran(proc.returncode, proc.stdout, proc.stderr)
-
-
-def run_ok(code: str, **kwargs) -> Ran:
-    ran = run_python(code, **kwargs)
-    assert ran.returncode == 0, f"exit {ran.returncode}\nstdout:\n{ran.stdout}\nstderr:\n{ran.stderr}"
-    return ran
 
 
 @pytest.fixture(params=[False, True], ids=["torchfix", "disabled"])
