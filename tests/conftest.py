@@ -57,60 +57,84 @@ def run_python(
 
 
 class _ForkServer:
-    """This test process's fork server (tests/fork_server.py), started at its first use."""
+    """A fork server (tests/fork_server.py) of this test process, started at its first use: one per set of modules
+    it imports before forking."""
 
     source = (Path(__file__).parent / "fork_server.py").read_text()
-    process: subprocess.Popen | None = None
-    env: dict[str, str] = {}
+    running: dict[tuple[str, ...], _ForkServer] = {}
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", self.source, *preload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_test_env(),
+        )
+        atexit.register(self.stop)
+        ready = json.loads(self.process.stdout.readline())
+        assert ready["ready"] == 1, f"the fork server started with {ready['ready']} threads"
+        self.env: dict[str, str] = ready["env"]
 
     @classmethod
-    def request(cls, **request) -> dict:
-        if cls.process is None or cls.process.poll() is not None:
-            cls.process = subprocess.Popen(
-                [sys.executable, "-c", cls.source],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=_test_env(),
-            )
-            atexit.register(cls.stop, cls.process)
-            ready = json.loads(cls.process.stdout.readline())
-            assert ready["ready"] == 1, f"the fork server started with {ready['ready']} threads"
-            cls.env = ready["env"]
-        cls.process.stdin.write(json.dumps(request) + "\n")
-        cls.process.stdin.flush()
-        reply = cls.process.stdout.readline()
-        assert reply, f"the fork server died (exit {cls.process.wait()})"
+    def get(cls, preload: tuple[str, ...]) -> _ForkServer:
+        server = cls.running.get(preload)
+        if server is None or server.process.poll() is not None:
+            server = cls.running[preload] = cls(preload)
+        return server
+
+    def request(self, **request) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline()
+        assert reply, f"the fork server died (exit {self.process.wait()})"
         return json.loads(reply)
 
-    @staticmethod
-    def stop(process: subprocess.Popen) -> None:
-        process.stdin.close()  # the server ends at the end of its input
-        process.wait(60)
+    def stop(self) -> None:
+        self.process.stdin.close()  # the server ends at the end of its input
+        self.process.wait(60)
 
 
 def run_forked(
-    code: str, *, disable: str | None = None, env: dict[str, str] | None = None, timeout: float = 180, args=()
+    code: str,
+    *,
+    preload: tuple[str, ...] = (),
+    disable: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+    args=(),
 ) -> Ran:
-    """``run_python``, in a child forked from an interpreter that has imported torch (not torchfix): for code that
-    imports torchfix itself and does not test what happens before torch is imported. Saves ~2 CPU seconds a run.
-    Only TORCHFIX_ (and pytest's) variables may differ from the server's environment: torch read the rest at its
-    import."""
+    """``run_python``, in a child forked from an interpreter that has imported torch and the ``preload`` modules
+    of torch (never torchfix): for code that imports torchfix itself and does not test what happens before those
+    are imported. Saves the imports' CPU seconds (torch ~2, Dynamo, Inductor and export ~2-3 more) every run.
+    Only TORCHFIX_ (and pytest's) variables may differ from the server's environment: torch read the rest."""
     full_env = _test_env(disable, env)
-    server = _ForkServer.env or _test_env()
-    differs = {k for k in {*full_env, *server} - {"OPENBLAS_NUM_THREADS"} if full_env.get(k) != server.get(k)}
+    server = _ForkServer.get(preload)
+    differs = {k for k in {*full_env, *server.env} if full_env.get(k) != server.env.get(k)}
     assert all(k.startswith(("TORCHFIX_", "PYTEST_")) for k in differs), f"run_forked cannot set {sorted(differs)}"
-    reply = _ForkServer.request(code=textwrap.dedent(code), env=full_env, args=list(args), timeout=timeout)
+    reply = server.request(code=textwrap.dedent(code), env=full_env, args=list(args), timeout=timeout)
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(["<forked>", "-c", code], timeout, reply["stdout"], reply["stderr"])
     return Ran(reply["returncode"], reply["stdout"], reply["stderr"])
 
 
-def run_ok(code: str, *, forked: bool = False, **kwargs) -> Ran:
-    """``run_python`` (``run_forked`` if ``forked``), asserting that the script exits 0."""
-    ran = (run_forked if forked else run_python)(code, **kwargs)
+def run_ok(code: str, *, forked: str | None = None, **kwargs) -> Ran:
+    """Run ``code``, asserting that it exits 0: in a fresh interpreter (``run_python``), or forked (``run_forked``)
+    from one that has imported torch (``forked="torch"``) or torch and every module a fix waits for
+    (``forked="triggers"``: the fixes all apply at ``import torchfix``)."""
+    if forked is None:
+        ran = run_python(code, **kwargs)
+    else:
+        ran = run_forked(code, preload={"torch": (), "triggers": TRIGGERS}[forked], **kwargs)
     assert ran.returncode == 0, f"exit {ran.returncode}\nstdout:\n{ran.stdout}\nstderr:\n{ran.stderr}"
     return ran
+
+
+def run_scenario(code: str, **kwargs) -> object:
+    """What a scenario script reports (``Ran.json``), run forked with every trigger imported. One that reports
+    null (what it needs is missing: a CUDA device, or a part of torch not imported yet) runs again in a fresh
+    interpreter before the test skips it."""
+    return run_ok(code, forked="triggers", **kwargs).json() or run_ok(code, **kwargs).json()
 
 
 # Every fix (in the order they apply) and its self-test scenarios as the fix declares them (torchfix._fix.Scenario),
@@ -121,6 +145,7 @@ import json, torch
 from torchfix import fixes
 here = torch.__version__
 found = [dict(name=fix.name, supported=fix.supports(here), cost=fix.hazard_is_cost) for fix in fixes.ALL]
+triggers = sorted({fix.trigger for fix in fixes.ALL})
 scenarios = [
     dict(
         id=f"{fix.name}:{s.name}", fix=fix.name, call=s.call, function=s.function.__name__, hazard=here in s.hazard,
@@ -129,12 +154,13 @@ scenarios = [
     )
     for fix in fixes.ALL for s in fix.scenarios
 ]
-print(json.dumps({"torch": here, "fixes": found, "scenarios": scenarios}))
+print(json.dumps({"torch": here, "fixes": found, "scenarios": scenarios, "triggers": triggers}))
 """
-_declared = run_ok(_DECLARED, disable="1", forked=True).json()
+_declared = run_ok(_DECLARED, disable="1").json()
 TORCH_VERSION = Version(_declared["torch"])
 FIXES: list[dict] = _declared["fixes"]
 SCENARIOS: list[dict] = _declared["scenarios"]
+TRIGGERS: tuple[str, ...] = tuple(_declared["triggers"])  # the parts of torch that fixes wait for
 
 
 def hazard_here(function: str) -> bool:

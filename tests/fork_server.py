@@ -1,9 +1,11 @@
-"""A fork server for the tests (conftest.run_forked): one interpreter imports torch, then forks a child per script.
+"""A fork server for the tests (conftest.run_forked): one interpreter imports torch (and the parts of torch named
+as its arguments), then forks a child per script.
 
-Most of a test interpreter's time is `import torch` (about 2 of its CPU seconds); a child forked from here
-starts with torch imported and nothing else: torchfix is imported by the script itself, after torch (an order
-torchfix supports; the import-order tests start fresh interpreters instead). conftest starts this file's text
-with `python -c`, so that sys.path is what a test's own `python -c` sees.
+Most of a test interpreter's time is importing torch (about 2 of its CPU seconds), Dynamo, Inductor and export
+(2-3 more); a child forked from here starts with those imported and nothing else: torchfix is imported by the
+script itself, after them (an order torchfix supports; the import-order tests start fresh interpreters
+instead). conftest starts this file's text with `python -c`, so that sys.path is what a test's own `python -c`
+sees.
 
 Forking is safe only from a single thread: the server runs no torch op (OpenMP and torch's pools start on the
 first), keeps OpenBLAS (numpy, imported by torch) from starting its thread, and checks before every fork.
@@ -22,10 +24,20 @@ import tempfile
 import threading
 import traceback
 
+STARTED_WITH = dict(os.environ)  # the children's environment is the request's, torch's own additions kept
 os.environ["OPENBLAS_NUM_THREADS"] = "1"  # read when numpy loads OpenBLAS, inside `import torch`
+import importlib  # noqa: E402
+
 import torch  # noqa: E402, F401
 
-SERVER_ENV = dict(os.environ)
+for name in sys.argv[1:]:  # the modules to import besides (this torch may lack some)
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+
+# What the imports set for themselves (Inductor: TORCHINDUCTOR_CACHE_DIR), as a fresh interpreter's would.
+SET_BY_IMPORTS = {k: v for k, v in os.environ.items() if k not in STARTED_WITH and k != "OPENBLAS_NUM_THREADS"}
 
 
 def threads() -> int:
@@ -39,7 +51,7 @@ def run_child(code: str, env: dict[str, str], args: list[str], out: int, err: in
     for fd, target in ((devnull, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update({**SET_BY_IMPORTS, **env})
     sys.argv = ["-c", *args]
     main = type(sys)("__main__")
     sys.modules["__main__"] = main
@@ -96,6 +108,6 @@ def serve_one(request: dict) -> dict:
         }
 
 
-print(json.dumps({"ready": threads(), "env": SERVER_ENV}), flush=True)
+print(json.dumps({"ready": threads(), "env": STARTED_WITH}), flush=True)
 for line in sys.stdin:
     print(json.dumps(serve_one(json.loads(line))), flush=True)

@@ -15,6 +15,7 @@ from conftest import (
     TORCH_CRASHES_ON_CONCURRENT_RECOMPILE,
     hazard_here,
     run_ok,
+    run_scenario,
 )
 
 SCENARIO = """
@@ -29,7 +30,7 @@ os._exit(0)  # torch 2.3's interpreter teardown after a threaded compile can abo
 def scenario(call: str, disabled: bool, fix: str = "1") -> dict:
     """Run a self-test scenario (``call``: its call as source, after ``import torchfix``); ``disabled`` turns off
     ``fix`` (all fixes by default)."""
-    return run_ok(SCENARIO.format(call=call), disable=fix if disabled else None, forked=True).json()
+    return run_scenario(SCENARIO.format(call=call), disable=fix if disabled else None)
 
 
 @pytest.mark.parametrize("declared", SCENARIOS, ids=[s["id"] for s in SCENARIOS])
@@ -135,7 +136,7 @@ worker = threading.Thread(target=own); worker.start(); worker.join()
 read("main")
 print(json.dumps({{"propagated": [p.rsplit(".", 1)[1] for p in propagated], "seen": seen}}))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     if not HAS_H6:
         assert ran == {"propagated": [], "seen": {"early": 3, "later": 3, "patched": 5, "main": 3}}

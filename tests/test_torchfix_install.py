@@ -1,7 +1,7 @@
 """Import orderings and the install/uninstall lifecycle, each in a fresh interpreter."""
 
 import pytest
-from conftest import HAS_H1, HAS_H3, HAS_H4, HAS_RECHECK_FIX, SCENARIOS, hazard_here, run_ok
+from conftest import HAS_H1, HAS_H3, HAS_H4, HAS_RECHECK_FIX, SCENARIOS, hazard_here, run_ok, run_scenario
 
 needs_h1 = pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ keeps the FX flag per thread itself")
 
@@ -79,7 +79,7 @@ print(json.dumps({
     "hazard_after_reinstall": h1_nested_trace_error().hazard,
 }))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     assert len(ran["patched"]) == 3, ran["patched"]
     assert ran["restored"] and ran["plain_module"]
@@ -99,7 +99,7 @@ again = {s.name: s.state.value for s in torchfix.install()}
 print(json.dumps({"same": st.Tracer.trace.__code__ is code and type(st) is cls,
                   "state": again["fx-tracing-flag"]}))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     assert ran == {"same": True, "state": expected_state()}
 
@@ -149,7 +149,7 @@ after_uninstall = [h3_is_compiling_elsewhere().hazard, h4_trace_patches_leak("ea
 print(json.dumps({"states": [states["compiler-flags"], states["trace-patch-isolation"]], "fixed": fixed,
                   "restored": snapshot() == before, "after_uninstall": after_uninstall}))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     assert ran == {
         "states": ["applied", "applied"],
@@ -211,7 +211,7 @@ torchfix.uninstall()
 print(json.dumps({"patched": patched, "restored": cf.CatchErrorsWrapper.__call__.__code__ is original,
                   "helper": "_compile_unless_cached" in vars(cf)}))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     assert ran == {"patched": True, "restored": True, "helper": False}
 
@@ -250,7 +250,7 @@ found["uninstalled"] = step()
 found["seen inside the graphs"] = seen
 print(json.dumps(found))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     assert ran == {
         "before": [2.0, 2.0],
@@ -309,7 +309,7 @@ os._exit(0)  # torch 2.3's interpreter teardown after a threaded compile can abo
 
 @pytest.mark.parametrize("declared", SHOWN_HERE, ids=[s["fix"] for s in SHOWN_HERE])
 def test_uninstall_brings_each_hazard_back_and_install_removes_it_again(declared):
-    found = run_ok(UNINSTALL_ONE.format(call=declared["call"], fix=declared["fix"]), forked=True).json()
+    found = run_scenario(UNINSTALL_ONE.format(call=declared["call"], fix=declared["fix"]))
     if found is None:
         pytest.skip(f"the scenario needs {declared['needs']}")
     assert found == {"with": False, "after uninstall": True, "after reinstall": False, "state": "applied"}, found

@@ -31,7 +31,7 @@ print(json.dumps({"y": y.tolist(), "frames": counter.frame_count,
                   "graph_breaks": sum(counters["graph_break"].values())}))
 """,
         disable="1" if disabled else None,
-        forked=True,
+        forked="torch",
     ).json()
     assert ran == {"y": [1.0, 1.0], "frames": 1, "graph_breaks": 0}
 
@@ -61,7 +61,7 @@ with st._is_fx_tracing_context({not forward_flag}):
     out["y"].sum().backward()
 print(json.dumps(seen))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     assert ran == [forward_flag, forward_flag]
 
@@ -85,7 +85,7 @@ try:
 except Exception as exc:
     print(json.dumps(str(exc)))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     assert "sneaky: LOAD_GLOBAL _is_fx_tracing_flag" in ran
 
@@ -115,7 +115,7 @@ many_threads(rounds=4, callers=3)  # traces in threads set and restore their own
 seen["after_traces"] = holder.overridden
 print(json.dumps(seen))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     assert ran == {"installer": True, "new_thread": False, "count": 1, "after_reset": [False, 0], "after_traces": 0}
 
@@ -151,7 +151,7 @@ thread.start(); thread.join()
 print(json.dumps(sorted(seen)))
 """,
         disable="compiler-flags" if disabled else None,
-        forked=True,
+        forked="torch",
     ).json()
     if ran is None:
         pytest.skip("torch.library.custom_op needs torch 2.4+")
@@ -181,7 +181,7 @@ with st._is_fx_tracing_context(True):
     after = st._get_is_fx_tracing()
 print(json.dumps([inside, after]))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     if ran is None:
         pytest.skip("no _set_compilation_env before torch 2.2")
@@ -220,7 +220,7 @@ thread.join()
 print(json.dumps(seen["before_backward"]))
 """,
         disable="backward-compile-deadlock" if disabled else None,
-        forked=True,
+        forked="torch",
     ).json()
     assert ran == (["forward"] if disabled else ["forward", "backward"])
 
@@ -252,7 +252,7 @@ thread.start(); thread.join()
 seen["after"] = state()
 print(json.dumps([pending, seen]))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     pending, seen = ran
     if not HAS_H5_FIX:
@@ -298,7 +298,7 @@ seen["backward_after_exit"] = outcome(late.backward)
 print(json.dumps(seen))
 """,
         disable="saved-tensor-mutation" if disabled else None,
-        forked=True,
+        forked="torch",
     ).json()
     assert ran == {
         "inside": True,
@@ -328,7 +328,7 @@ aliases = [(sys.modules[user], name) for user, name in [
 ] if tables is not None and name in vars(sys.modules.get(user, object))]
 print(json.dumps([states["graph-user-objects"], [getattr(m, n) is getattr(tables, n) for m, n in aliases]]))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     if ran[0] != "applied":
         pytest.skip("graph-user-objects does not apply to this torch")
@@ -361,6 +361,6 @@ torchfix.uninstall()
 seen["global_after_uninstall"] = vars(ef)["_in_optimized_module"]
 print(json.dumps(seen))
 """,
-        forked=True,
+        forked="torch",
     ).json()
     assert ran == {"installer": [True, True], "new_thread": [True, False, False], "global_after_uninstall": True}
