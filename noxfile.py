@@ -12,6 +12,8 @@ Each session asserts that the torch it runs on is the one it asked for. The torc
 python3.10 on PATH (with pyenv: PYENV_VERSION=3.11.7:3.10.13).
 """
 
+import os
+import subprocess
 from pathlib import Path
 
 import nox
@@ -52,12 +54,34 @@ def install_torch(session: nox.Session, torch: str) -> None:
         session.env["PIP_CONFIG_FILE"] = "/dev/null"
     session.install(f"torch=={torch}", *extra)
     session.install("-e", ".", "pytest", "pytest-xdist")
+    assert_torch(session, torch)
+
+
+def assert_torch(session: nox.Session, torch: str) -> None:
     session.run(
         "python",
         "-c",
         f"import torch, sys; v = torch.__version__.split('+')[0]; "
         f"sys.exit(0 if v == '{torch}' else f'asked for torch {torch}, got {{torch.__version__}}')",
     )
+
+
+PURELIB = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+
+
+def install_default_torch(session: nox.Session, *packages: str) -> None:
+    """torch DEFAULT_TORCH, the project with its test extra, and ``packages``. CI (.ci/run) sets NOX_REUSE_VENV to
+    the README's venv, which has the first two: the session then adds that venv's site-packages to its own,
+    after them (a .pth file), instead of installing torch again; what it installs itself comes first."""
+    reuse = os.environ.get("NOX_REUSE_VENV")
+    if reuse:
+        theirs = subprocess.run([f"{reuse}/bin/python", "-c", PURELIB], capture_output=True, text=True, check=True)
+        ours = session.run_install("python", "-c", PURELIB, silent=True).strip()
+        Path(ours, "_reused_venv.pth").write_text(theirs.stdout)
+    else:
+        session.install(f"torch=={DEFAULT_TORCH}")
+    session.install("-e", ".[test]", *packages)
+    assert_torch(session, DEFAULT_TORCH)
 
 
 @nox.session
@@ -71,8 +95,7 @@ def shim(session: nox.Session, torch: str) -> None:
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """The whole suite on the default torch."""
-    session.install(f"torch=={DEFAULT_TORCH}")
-    session.install("-e", ".[test]")
+    install_default_torch(session)
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
 
@@ -83,16 +106,15 @@ TRANSFORMERS_FLOOR = "5.17.0"
 @nox.session(python="3.11")
 def transformers_floor(session: nox.Session) -> None:
     """dflash_train's unit and training tests on the oldest transformers its `train` extra allows."""
-    session.install(f"torch=={DEFAULT_TORCH}")
-    session.install("-e", ".[test]", f"transformers=={TRANSFORMERS_FLOOR}")
+    install_default_torch(session, f"transformers=={TRANSFORMERS_FLOOR}")
+    session.run("python", "-c", f"import transformers; assert transformers.__version__ == '{TRANSFORMERS_FLOOR}'")
     session.run("python", "-m", "pytest", "-q", "tests/test_dflash_units.py", "tests/test_dflash_training.py")
 
 
 @nox.session(python="3.11")
 def dflash_client(session: nox.Session) -> None:
     """An exported drafter in z-lab's reference DFlash client (its package, without its pinned extras)."""
-    session.install(f"torch=={DEFAULT_TORCH}")
-    session.install("-e", ".[test]")
+    install_default_torch(session)
     session.install("--no-deps", "dflash==0.1.0")
     session.run("python", "-c", "import dflash.model")  # the test below would skip without it
     session.run("python", "-m", "pytest", "-q", "tests/test_dflash_client.py", *session.posargs)

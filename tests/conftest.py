@@ -1,17 +1,141 @@
-"""Shared test helpers. Everything that touches torch's global state runs in a fresh interpreter:
-a stuck flag, a deadlock or a half-patched torch must not leak into other tests."""
+"""Shared test helpers. Everything that touches torch's global state runs in an interpreter of its own (a fresh
+one, or a child of the fork server that has imported torch only): a stuck flag, a deadlock or a half-patched
+torch must not leak into other tests."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from packaging.version import Version
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> object:
+        """The last stdout line, parsed: scripts report their findings that way."""
+        lines = self.stdout.strip().splitlines()
+        assert lines, f"no output; stderr:\n{self.stderr}"
+        return json.loads(lines[-1])
+
+
+def _test_env(disable: str | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    # Inductor forks its compile-worker pool when it is imported, which can be mid-run, from a compiling
+    # thread. The scenarios never use those workers, and on a loaded 2-core machine a pool forked beside
+    # live threads hung interpreter exit past the timeout (torch 2.3).
+    full_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if disable is not None:
+        full_env["TORCHFIX_DISABLE"] = disable
+    full_env.update(env or {})
+    return full_env
+
+
+def run_python(
+    code: str, *, disable: str | None = None, env: dict[str, str] | None = None, timeout: float = 180, args=()
+) -> Ran:
+    """Run ``code`` in a new interpreter. ``disable`` sets TORCHFIX_DISABLE (``"1"`` for all)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env=_test_env(disable, env),
+        timeout=timeout,
+    )
+    return Ran(proc.returncode, proc.stdout, proc.stderr)
+
+
+class _ForkServer:
+    """A fork server (tests/fork_server.py) of this test process, started at its first use: one per set of modules
+    it imports before forking."""
+
+    source = (Path(__file__).parent / "fork_server.py").read_text()
+    running: dict[tuple[str, ...], _ForkServer] = {}
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", self.source, *preload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_test_env(),
+        )
+        atexit.register(self.stop)
+        ready = json.loads(self.process.stdout.readline())
+        assert ready["ready"] == 1, f"the fork server started with {ready['ready']} threads"
+        self.env: dict[str, str] = ready["env"]
+
+    @classmethod
+    def get(cls, preload: tuple[str, ...]) -> _ForkServer:
+        server = cls.running.get(preload)
+        if server is None or server.process.poll() is not None:
+            server = cls.running[preload] = cls(preload)
+        return server
+
+    def request(self, **request) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline()
+        assert reply, f"the fork server died (exit {self.process.wait()})"
+        return json.loads(reply)
+
+    def stop(self) -> None:
+        self.process.stdin.close()  # the server ends at the end of its input
+        self.process.wait(60)
+
+
+def run_forked(
+    code: str,
+    *,
+    preload: tuple[str, ...] = (),
+    disable: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+    args=(),
+) -> Ran:
+    """``run_python``, in a child forked from an interpreter that has imported torch and the ``preload`` modules
+    of torch (never torchfix): for code that imports torchfix itself and does not test what happens before those
+    are imported. Saves the imports' CPU seconds (torch ~2, Dynamo, Inductor and export ~2-3 more) every run.
+    Only TORCHFIX_ (and pytest's) variables may differ from the server's environment: torch read the rest."""
+    full_env = _test_env(disable, env)
+    server = _ForkServer.get(preload)
+    differs = {k for k in {*full_env, *server.env} if full_env.get(k) != server.env.get(k)}
+    assert all(k.startswith(("TORCHFIX_", "PYTEST_")) for k in differs), f"run_forked cannot set {sorted(differs)}"
+    reply = server.request(code=textwrap.dedent(code), env=full_env, args=list(args), timeout=timeout)
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(["<forked>", "-c", code], timeout, reply["stdout"], reply["stderr"])
+    return Ran(reply["returncode"], reply["stdout"], reply["stderr"])
+
+
+def run_ok(code: str, *, forked: str | None = None, **kwargs) -> Ran:
+    """Run ``code``, asserting that it exits 0: in a fresh interpreter (``run_python``), or forked (``run_forked``)
+    from one that has imported torch (``forked="torch"``) or torch and every module a fix waits for
+    (``forked="triggers"``: the fixes all apply at ``import torchfix``)."""
+    if forked is None:
+        ran = run_python(code, **kwargs)
+    else:
+        ran = run_forked(code, preload={"torch": (), "triggers": TRIGGERS}[forked], **kwargs)
+    assert ran.returncode == 0, f"exit {ran.returncode}\nstdout:\n{ran.stdout}\nstderr:\n{ran.stderr}"
+    return ran
+
+
+def run_scenario(code: str, **kwargs) -> object:
+    """What a scenario script reports (``Ran.json``), run forked with every trigger imported. One that reports
+    null (what it needs is missing: a CUDA device, or a part of torch not imported yet) runs again in a fresh
+    interpreter before the test skips it."""
+    return run_ok(code, forked="triggers", **kwargs).json() or run_ok(code, **kwargs).json()
+
 
 # Every fix (in the order they apply) and its self-test scenarios as the fix declares them (torchfix._fix.Scenario),
 # evaluated for this torch, and torch's version: read in a fresh interpreter (importing torchfix here would patch
@@ -21,6 +145,7 @@ import json, torch
 from torchfix import fixes
 here = torch.__version__
 found = [dict(name=fix.name, supported=fix.supports(here), cost=fix.hazard_is_cost) for fix in fixes.ALL]
+triggers = sorted({fix.trigger for fix in fixes.ALL})
 scenarios = [
     dict(
         id=f"{fix.name}:{s.name}", fix=fix.name, call=s.call, function=s.function.__name__, hazard=here in s.hazard,
@@ -29,20 +154,13 @@ scenarios = [
     )
     for fix in fixes.ALL for s in fix.scenarios
 ]
-print(json.dumps({"torch": here, "fixes": found, "scenarios": scenarios}))
+print(json.dumps({"torch": here, "fixes": found, "scenarios": scenarios, "triggers": triggers}))
 """
-_declared = json.loads(
-    subprocess.run(
-        [sys.executable, "-c", _DECLARED],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "TORCHFIX_DISABLE": "1"},
-    ).stdout.splitlines()[-1]
-)
+_declared = run_ok(_DECLARED, disable="1").json()
 TORCH_VERSION = Version(_declared["torch"])
 FIXES: list[dict] = _declared["fixes"]
 SCENARIOS: list[dict] = _declared["scenarios"]
+TRIGGERS: tuple[str, ...] = tuple(_declared["triggers"])  # the parts of torch that fixes wait for
 
 
 def hazard_here(function: str) -> bool:
@@ -72,47 +190,6 @@ TORCH_CRASHES_ON_CONCURRENT_RECOMPILE = (2, 10) <= TORCH_VERSION.release < (2, 1
 TORCH_CRASHES_ON_CONCURRENT_MAKE_FX = any(
     s["crashes"] for s in SCENARIOS if s["function"] == "make_fx_tracer_elsewhere"
 )
-
-
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-    def json(self) -> object:
-        """The last stdout line, parsed: scripts report their findings that way."""
-        lines = self.stdout.strip().splitlines()
-        assert lines, f"no output; stderr:\n{self.stderr}"
-        return json.loads(lines[-1])
-
-
-def run_python(
-    code: str, *, disable: str | None = None, env: dict[str, str] | None = None, timeout: float = 180, args=()
-) -> Ran:
-    """Run ``code`` in a new interpreter. ``disable`` sets TORCHFIX_DISABLE (``"1"`` for all)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-    # Inductor forks its compile-worker pool when it is imported, which can be mid-run, from a compiling
-    # thread. The scenarios never use those workers, and on a loaded 2-core machine a pool forked beside
-    # live threads hung interpreter exit past the timeout (torch 2.3).
-    full_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    if disable is not None:
-        full_env["TORCHFIX_DISABLE"] = disable
-    full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-    )
-    return Ran(proc.returncode, proc.stdout, proc.stderr)
-
-
-def run_ok(code: str, **kwargs) -> Ran:
-    ran = run_python(code, **kwargs)
-    assert ran.returncode == 0, f"exit {ran.returncode}\nstdout:\n{ran.stdout}\nstderr:\n{ran.stderr}"
-    return ran
 
 
 @pytest.fixture(params=[False, True], ids=["torchfix", "disabled"])

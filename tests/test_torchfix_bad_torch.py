@@ -142,7 +142,7 @@ print(json.dumps(report))
 
 @functools.cache
 def plan() -> dict[str, dict]:
-    return run_ok(PLAN).json()
+    return run_ok(PLAN, forked="triggers").json()
 
 
 def applied_here(fix: str) -> dict:
@@ -361,6 +361,7 @@ def test_disable_switch(value):
     states = run_ok(
         "import json, torch, torchfix\nprint(json.dumps({s.name: s.state.value for s in torchfix.status()}))",
         disable=",".join(off) if value == "two fixes" else value,
+        forked="torch",
     ).json()
     assert [name for name, state in states.items() if state == "disabled"] == off, states
 
@@ -373,6 +374,7 @@ def test_disable_switch_with_an_unknown_name_warns_and_keeps_the_rest():
         "print(json.dumps({'states': {s.name: s.state.value for s in torchfix.status()},"
         " 'warnings': [str(w.message) for w in caught]}))",
         disable=f"{NAMES[0]},no-such-fix",
+        forked="torch",
     ).json()
     assert result["states"][NAMES[0]] == "disabled"
     assert "disabled" not in [state for name, state in result["states"].items() if name != NAMES[0]]

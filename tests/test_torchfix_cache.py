@@ -42,7 +42,7 @@ print(json.dumps({"status": [f"{s.name}: {s.state.value}" for s in torchfix.stat
 
 
 def probe(cache, **env) -> dict:
-    return run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache), **env}).json()
+    return run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache), **env}, forked="triggers").json()
 
 
 def entries(cache) -> list:
@@ -103,7 +103,7 @@ def test_a_directory_others_can_write_is_refused(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     cache.chmod(0o777)
-    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)})
+    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers")
     assert "not using the cache directory" in ran.stderr, ran.stderr
     assert ran.json() == probe(tmp_path / "safe")
     assert entries(cache) == []

@@ -15,6 +15,7 @@ from conftest import (
     TORCH_CRASHES_ON_CONCURRENT_RECOMPILE,
     hazard_here,
     run_ok,
+    run_scenario,
 )
 
 SCENARIO = """
@@ -29,7 +30,7 @@ os._exit(0)  # torch 2.3's interpreter teardown after a threaded compile can abo
 def scenario(call: str, disabled: bool, fix: str = "1") -> dict:
     """Run a self-test scenario (``call``: its call as source, after ``import torchfix``); ``disabled`` turns off
     ``fix`` (all fixes by default)."""
-    return run_ok(SCENARIO.format(call=call), disable=fix if disabled else None).json()
+    return run_scenario(SCENARIO.format(call=call), disable=fix if disabled else None)
 
 
 @pytest.mark.parametrize("declared", SCENARIOS, ids=[s["id"] for s in SCENARIOS])
@@ -112,7 +113,8 @@ def test_a_thread_the_first_compile_does_not_fit_compiles_its_own(call):
 @pytest.mark.parametrize("propagate", [False, True], ids=["as-is", "propagate_config"])
 def test_h6_config_set_in_main_thread_reaches_workers(propagate):
     # A thread started before the settings and one started after; each reads without setting anything.
-    ran = run_ok(f"""
+    ran = run_ok(
+        f"""
 import json, threading
 import torch, torchfix
 import torch._dynamo.config as dynamo_config
@@ -133,7 +135,9 @@ def own():  # a worker's own setting, and config.patch, stay per-thread on top
 worker = threading.Thread(target=own); worker.start(); worker.join()
 read("main")
 print(json.dumps({{"propagated": [p.rsplit(".", 1)[1] for p in propagated], "seen": seen}}))
-""").json()
+""",
+        forked="torch",
+    ).json()
     if not HAS_H6:
         assert ran == {"propagated": [], "seen": {"early": 3, "later": 3, "patched": 5, "main": 3}}
     elif propagate:

@@ -1,7 +1,7 @@
 """Import orderings and the install/uninstall lifecycle, each in a fresh interpreter."""
 
 import pytest
-from conftest import HAS_H1, HAS_H3, HAS_H4, HAS_RECHECK_FIX, SCENARIOS, hazard_here, run_ok
+from conftest import HAS_H1, HAS_H3, HAS_H4, HAS_RECHECK_FIX, SCENARIOS, hazard_here, run_ok, run_scenario
 
 needs_h1 = pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ keeps the FX flag per thread itself")
 
@@ -49,7 +49,8 @@ import torchfix
 
 @needs_h1
 def test_uninstall_restores_torch_and_brings_the_hazard_back():
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json, types
 import torch
 import torch.fx._symbolic_trace as st
@@ -77,7 +78,9 @@ print(json.dumps({
     "reinstall": state(torchfix.install()),
     "hazard_after_reinstall": h1_nested_trace_error().hazard,
 }))
-""").json()
+""",
+        forked="torch",
+    ).json()
     assert len(ran["patched"]) == 3, ran["patched"]
     assert ran["restored"] and ran["plain_module"]
     assert ran["state"] == "not installed"
@@ -86,7 +89,8 @@ print(json.dumps({
 
 
 def test_double_install_changes_nothing():
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json
 import torch, torchfix
 import torch.fx._symbolic_trace as st
@@ -94,7 +98,9 @@ code, cls = st.Tracer.trace.__code__, type(st)
 again = {s.name: s.state.value for s in torchfix.install()}
 print(json.dumps({"same": st.Tracer.trace.__code__ is code and type(st) is cls,
                   "state": again["fx-tracing-flag"]}))
-""").json()
+""",
+        forked="torch",
+    ).json()
     assert ran == {"same": True, "state": expected_state()}
 
 
@@ -117,7 +123,8 @@ print(json.dumps({"pending": pending, "state": state(),
 
 @pytest.mark.skipif(not (HAS_H3 and HAS_H4), reason="needs a torch with both H3 and H4")
 def test_uninstall_restores_compiler_flags_and_trace_patches():
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import inspect, json
 import torch, torch.compiler, torch.fx._symbolic_trace as st
 def codes(module):  # no torchfix import yet: that would install it
@@ -141,7 +148,9 @@ torchfix.uninstall()
 after_uninstall = [h3_is_compiling_elsewhere().hazard, h4_trace_patches_leak("eager_module").hazard]
 print(json.dumps({"states": [states["compiler-flags"], states["trace-patch-isolation"]], "fixed": fixed,
                   "restored": snapshot() == before, "after_uninstall": after_uninstall}))
-""").json()
+""",
+        forked="torch",
+    ).json()
     assert ran == {
         "states": ["applied", "applied"],
         "fixed": [False, False],
@@ -191,7 +200,8 @@ def test_fix_that_waits_for_dynamo(prelude, steps, expected):
 
 @pytest.mark.skipif(not HAS_RECHECK_FIX, reason="compile-cache-recheck needs torch 2.6+")
 def test_uninstall_restores_dynamo_callback():
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json
 import torch._dynamo.convert_frame as cf
 original = cf.CatchErrorsWrapper.__call__.__code__
@@ -200,7 +210,9 @@ patched = cf.CatchErrorsWrapper.__call__.__code__ is not original
 torchfix.uninstall()
 print(json.dumps({"patched": patched, "restored": cf.CatchErrorsWrapper.__call__.__code__ is original,
                   "helper": "_compile_unless_cached" in vars(cf)}))
-""").json()
+""",
+        forked="torch",
+    ).json()
     assert ran == {"patched": True, "restored": True, "helper": False}
 
 
@@ -212,7 +224,8 @@ def test_compiled_autograd_graphs_cached_before_install_or_uninstall_still_run()
     # compiled-autograd-region empties that cache when it applies and reverts. Without that, a graph cached before
     # `import torchfix` writes the global back into the module, and one cached with it raises NameError (the
     # holder is gone) after uninstall.
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json
 import torch
 import torch._dynamo.compiled_autograd as ca
@@ -236,7 +249,9 @@ torchfix.uninstall()
 found["uninstalled"] = step()
 found["seen inside the graphs"] = seen
 print(json.dumps(found))
-""").json()
+""",
+        forked="torch",
+    ).json()
     assert ran == {
         "before": [2.0, 2.0],
         "installed": [2.0, 2.0],
@@ -294,7 +309,7 @@ os._exit(0)  # torch 2.3's interpreter teardown after a threaded compile can abo
 
 @pytest.mark.parametrize("declared", SHOWN_HERE, ids=[s["fix"] for s in SHOWN_HERE])
 def test_uninstall_brings_each_hazard_back_and_install_removes_it_again(declared):
-    found = run_ok(UNINSTALL_ONE.format(call=declared["call"], fix=declared["fix"])).json()
+    found = run_scenario(UNINSTALL_ONE.format(call=declared["call"], fix=declared["fix"]))
     if found is None:
         pytest.skip(f"the scenario needs {declared['needs']}")
     assert found == {"with": False, "after uninstall": True, "after reinstall": False, "state": "applied"}, found

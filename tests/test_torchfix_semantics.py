@@ -31,6 +31,7 @@ print(json.dumps({"y": y.tolist(), "frames": counter.frame_count,
                   "graph_breaks": sum(counters["graph_break"].values())}))
 """,
         disable="1" if disabled else None,
+        forked="torch",
     ).json()
     assert ran == {"y": [1.0, 1.0], "frames": 1, "graph_breaks": 0}
 
@@ -39,7 +40,8 @@ print(json.dumps({"y": y.tolist(), "frames": counter.frame_count,
 def test_checkpoint_recompute_sees_the_forward_flag(forward_flag):
     # Forward in one thread with the flag set one way, backward (and so recompute) in another thread
     # with it set the other way: recompute must see the forward's value, as torch 2.14 does.
-    ran = run_ok(f"""
+    ran = run_ok(
+        f"""
 import json, threading
 import torchfix, torch
 import torch.fx._symbolic_trace as st
@@ -58,13 +60,16 @@ thread.start(); thread.join()
 with st._is_fx_tracing_context({not forward_flag}):
     out["y"].sum().backward()
 print(json.dumps(seen))
-""").json()
+""",
+        forked="torch",
+    ).json()
     assert ran == [forward_flag, forward_flag]
 
 
 @pytest.mark.skipif(not HAS_H1, reason="the fix is not needed on torch 2.14+")
 def test_verify_finds_a_global_access_left_behind():
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json
 import torch, torchfix
 from torchfix import _install
@@ -79,7 +84,9 @@ try:
     print(json.dumps("not caught"))
 except Exception as exc:
     print(json.dumps(str(exc)))
-""").json()
+""",
+        forked="torch",
+    ).json()
     assert "sneaky: LOAD_GLOBAL _is_fx_tracing_flag" in ran
 
 
@@ -87,7 +94,8 @@ except Exception as exc:
 def test_fast_reads_follow_every_thread_value():
     # Reads skip the per-thread storage while no thread holds a value of its own; they must still see
     # each thread's value, a value set before the install stays that thread's, and the count drains.
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json, threading
 import torch
 import torch.fx._symbolic_trace as st
@@ -106,7 +114,9 @@ seen["after_reset"] = [st.is_fx_tracing(), holder.overridden]
 many_threads(rounds=4, callers=3)  # traces in threads set and restore their own values
 seen["after_traces"] = holder.overridden
 print(json.dumps(seen))
-""").json()
+""",
+        forked="torch",
+    ).json()
     assert ran == {"installer": True, "new_thread": False, "count": 1, "after_reset": [False, 0], "after_traces": 0}
 
 
@@ -141,6 +151,7 @@ thread.start(); thread.join()
 print(json.dumps(sorted(seen)))
 """,
         disable="compiler-flags" if disabled else None,
+        forked="torch",
     ).json()
     if ran is None:
         pytest.skip("torch.library.custom_op needs torch 2.4+")
@@ -155,7 +166,8 @@ print(json.dumps(sorted(seen)))
 def test_set_compilation_env_clears_the_flag_of_its_own_thread():
     # _set_compilation_env writes the flag as a module attribute from another module: that write must
     # reach the calling thread's flag (torch 2.2+; 2.14+ does this upstream).
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json
 import torchfix, torch
 import torch.fx._symbolic_trace as st
@@ -168,7 +180,9 @@ with st._is_fx_tracing_context(True):
         inside = st._get_is_fx_tracing()
     after = st._get_is_fx_tracing()
 print(json.dumps([inside, after]))
-""").json()
+""",
+        forked="torch",
+    ).json()
     if ran is None:
         pytest.skip("no _set_compilation_env before torch 2.2")
     assert ran == [False, True]
@@ -206,6 +220,7 @@ thread.join()
 print(json.dumps(seen["before_backward"]))
 """,
         disable="backward-compile-deadlock" if disabled else None,
+        forked="torch",
     ).json()
     assert ran == (["forward"] if disabled else ["forward", "backward"])
 
@@ -213,7 +228,8 @@ print(json.dumps(seen["before_backward"]))
 def test_backward_compile_fix_applies_when_a_threads_first_compile_imports_aot_autograd():
     # backward-compile-deadlock waits for AOTAutograd (not imported by `import torch`): a thread's first compile
     # imports it, and that compile's backward must already be compiled with its forward.
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json, sys, threading
 import torch, torchfix
 pending = "torch._functorch.aot_autograd" not in sys.modules
@@ -235,7 +251,9 @@ thread = threading.Thread(target=worker)
 thread.start(); thread.join()
 seen["after"] = state()
 print(json.dumps([pending, seen]))
-""").json()
+""",
+        forked="torch",
+    ).json()
     pending, seen = ran
     if not HAS_H5_FIX:
         pytest.skip("before torch 2.6 the fix is not needed")
@@ -280,6 +298,7 @@ seen["backward_after_exit"] = outcome(late.backward)
 print(json.dumps(seen))
 """,
         disable="saved-tensor-mutation" if disabled else None,
+        forked="torch",
     ).json()
     assert ran == {
         "inside": True,
@@ -294,7 +313,8 @@ def test_user_object_tables_are_the_modules_own_again_after_uninstall_in_another
     # graph-user-objects: output_graph (and, 2.14+, runtime_wrappers) hold the tables by name, as imported; the
     # fix applied in a thread that first imported Dynamo and removed in the main thread must leave the module the
     # very objects they hold, or every graph with user objects raises "Index not registered" after uninstall.
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json, sys, threading
 import torch, torchfix
 thread = threading.Thread(target=lambda: __import__("torch._dynamo"))
@@ -307,7 +327,9 @@ aliases = [(sys.modules[user], name) for user, name in [
     ("torch._functorch._aot_autograd.runtime_wrappers", "index_to_external_object_weakref"),
 ] if tables is not None and name in vars(sys.modules.get(user, object))]
 print(json.dumps([states["graph-user-objects"], [getattr(m, n) is getattr(tables, n) for m, n in aliases]]))
-""").json()
+""",
+        forked="torch",
+    ).json()
     if ran[0] != "applied":
         pytest.skip("graph-user-objects does not apply to this torch")
     assert ran[1] and all(ran[1]), ran
@@ -318,7 +340,8 @@ def test_a_plain_thread_local_holder_keeps_each_threads_value():
     # optimized-module-flag's holder is a plain threading.local (no call per access): a value set before the
     # install stays the installing thread's, a new thread reads the file's default, `module.NAME` reads the
     # caller's, and uninstalling makes the caller's value the global again.
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import json, threading
 import torch
 from torch._dynamo import eval_frame as ef
@@ -337,7 +360,9 @@ seen = {"installer": [ef._is_in_optimized_module(), ef._in_optimized_module], "n
 torchfix.uninstall()
 seen["global_after_uninstall"] = vars(ef)["_in_optimized_module"]
 print(json.dumps(seen))
-""").json()
+""",
+        forked="torch",
+    ).json()
     assert ran == {"installer": [True, True], "new_thread": [True, False, False], "global_after_uninstall": True}
 
 
