@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from .._fix import Fix, Scenario, releases
 from .._patch import SourcePatch, source_without_import
-from .._selftest import Result, torch_module
+from .._selftest import Result, fresh, torch_module
 from .._source import Edit, ShapeError, parse, replace_node
 from ._thread_patches import ThreadPatches, skip_in_dynamo_when_imported
 
@@ -104,9 +104,12 @@ def rng_patch_elsewhere(timeout: float = 60.0) -> Result:
 
     allowed = dynamo.allow_in_graph(held)
 
+    def step(x):
+        return allowed(x).sin()
+
     def compile_() -> None:
-        try:
-            torch.compile(lambda x: allowed(x).sin(), backend="aot_eager")(torch.ones(3, requires_grad=True))
+        try:  # a fresh code object: an earlier run of the scenario compiled its own
+            torch.compile(fresh(step), backend="aot_eager")(torch.ones(3, requires_grad=True))
         except Exception as exc:
             errors.append(f"the compile raised {type(exc).__name__}: {exc}")
         finally:
