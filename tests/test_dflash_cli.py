@@ -149,21 +149,23 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert f"done: {step + 2} steps" in ran.stdout
 
 
-def test_a_second_ctrl_c_quits_at_once(tmp_path):
-    # A drafter stuck in its step: the first Ctrl-C waits for that step, the second leaves without it.
-    # The watchdog (30 s) ends the run with exit code 3 if the second one does not.
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_second_stop_signal_quits_at_once(tmp_path, stop):
+    # A drafter stuck in its step: the first Ctrl-C (or SIGTERM, a scheduler's) waits for that step, the second
+    # leaves without it. The watchdog (30 s) ends the run with exit code 3 if the second one does not.
     flags = [*tiny_flags(tmp_path), "--no-compile", "--eval-prompts", "0", "--watchdog-timeout", "30"]
     proc = start_training([*flags, "--steps", "50", "--fault", "hang@drafter:2"], tmp_path / "run" / "metrics.jsonl")
+    announced = "Ctrl-C" if stop == signal.SIGINT else "SIGTERM"
     try:
-        proc.send_signal(signal.SIGINT)
-        for line in proc.stdout:  # unbuffered (-u): the line shows once the first Ctrl-C was handled
-            if line.startswith("Ctrl-C: finishing this step"):
+        proc.send_signal(stop)
+        for line in proc.stdout:  # unbuffered (-u): the line shows once the first signal was handled
+            if line.startswith(f"{announced}: finishing this step"):
                 break
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 128 + stop, stderr
     assert "dflash-train: interrupted" in stderr and "checkpoint saved" not in stderr
 
 
