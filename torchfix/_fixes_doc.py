@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from . import fixes
-from ._fix import Fix
+from ._fix import Fix, Releases
 
 README_BEGIN = "<!-- the fixes: written by `python -m torchfix docs` from torchfix/fixes/*.py; edit those -->"
 README_END = "<!-- end of the fixes -->"
@@ -21,9 +21,13 @@ DOC_HEADER = (
 )
 
 
+def _range(releases: Releases) -> str:
+    """``2.3 – 2.15``: a range as the docs print it (an en dash)."""
+    return str(releases).replace(" - ", " – ")
+
+
 def _releases(fix: Fix) -> str:
-    text = str(fix.versions).replace(" - ", " – ")
-    return f"{text} ({fix.releases_note})" if fix.releases_note else text
+    return f"{_range(fix.versions)} ({fix.releases_note})" if fix.releases_note else _range(fix.versions)
 
 
 def _module_path(fix: Fix) -> str:
@@ -45,7 +49,7 @@ def render_doc(all_fixes: list[Fix] | None = None) -> str:
         "| fix | torch releases patched | the hazard |",
         "|---|---|---|",
     ]
-    lines += [f"| [`{f.name}`](#{f.name}) | {str(f.versions).replace(' - ', ' – ')} | {f.hazard} |" for f in all_fixes]
+    lines += [f"| [`{f.name}`](#{f.name}) | {_range(f.versions)} | {f.hazard} |" for f in all_fixes]
     for fix in all_fixes:
         lines += ["", f"## {fix.name}", "", fix.hazard[0].upper() + fix.hazard[1:] + ".", ""]
         lines.append(f"- **Releases patched:** {_releases(fix)}")
@@ -56,7 +60,7 @@ def render_doc(all_fixes: list[Fix] | None = None) -> str:
         if fix.caveats:
             lines.append(f"- **What else it changes:** {fix.caveats}")
         if fix.scenarios:
-            shown = ", ".join(f"`{s.name}` ({str(s.hazard).replace(' - ', ' – ')})" for s in fix.scenarios)
+            shown = ", ".join(f"`{s.name}` ({_range(s.hazard)})" for s in fix.scenarios)
             lines.append(
                 f"- **Its self-test** (the hazard forced with events; where it shows without the fix): {shown}"
             )
@@ -67,10 +71,7 @@ def render_doc(all_fixes: list[Fix] | None = None) -> str:
 def render_readme_list(all_fixes: list[Fix] | None = None) -> str:
     """The README's list: one line per fix, between the two markers."""
     all_fixes = fixes.ALL if all_fixes is None else all_fixes
-    items = [
-        f"- [`{f.name}`](docs/fixes.md#{f.name}) ({str(f.versions).replace(' - ', ' – ')}): {f.hazard}"
-        for f in all_fixes
-    ]
+    items = [f"- [`{f.name}`](docs/fixes.md#{f.name}) ({_range(f.versions)}): {f.hazard}" for f in all_fixes]
     return "\n".join([README_BEGIN, *items, README_END])
 
 
