@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+from collections.abc import Iterator
 from pathlib import Path
 
 OLD_SCOPE = (
@@ -67,7 +68,7 @@ def bound(statements: list[ast.stmt]) -> set[str]:
     return names
 
 
-def own(node: ast.FunctionDef | ast.AsyncFunctionDef):
+def own(node: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[ast.AST]:
     """The nodes of a function's body, not those of functions, lambdas or classes nested in it (their decorators
     and defaults, which run in this body, are)."""
     todo = list(node.body)
