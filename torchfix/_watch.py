@@ -6,18 +6,20 @@ A reading of torch's source finds state written by ``global`` statements; it mis
 reading. The watcher instead samples, from a thread of its own that does no work, what any thread would see:
 
 * the plain values (bools, numbers, strings, None) and the functions and classes held by the globals of every
-  loaded ``torch`` module and by the attributes of every class defined there;
+  loaded ``torch`` module, by the attributes of every class defined there and by the attributes of the objects of
+  torch's classes they hold (there also lists, tuples, dicts and sets, by kind and length);
 * the Python kernels of every operator overload made so far (``OpOverload.py_kernels``: which dispatch keys have
   one, and which function);
 * every zero-argument getter of ``torch._C`` that returns a plain value (``_get_mkldnn_enabled``,
   ``_get_flash_sdp_enabled``, ``_get_deterministic_algorithms``, ...).
 
 Per-thread state (``threading.local``, ContextVars, torch's thread-local C++ state, what torchfix makes per
-thread) reads the watcher's own value, which no other thread changes: what the watcher sees change is shared. Each
+thread) reads the watcher's own value, which no other thread changes: what the watcher sees change is shared
+(torchfix's per-thread dispatchers and the globals its fixes move are read so too). Each
 change is reported with the stacks of the other threads at the sample that first saw it (the thread inside the
 context manager that set it is among them), and whether it came back: a value set and restored while work ran is
 a temporary process-wide setting, the hazard family the trust issue is about; one never restored may be a stuck
-flag, a cache filled lazily, or a counter.
+flag, a cache filled lazily, or a counter. What was triaged is :data:`DECLARED`.
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ DECLARED = (
     Declared("torch.utils.checkpoint.DefaultDeviceType._default_device_type", "benign", _LAZY + " (a device type)"),
     Declared("torch.autograd.profiler._cupti_monitor_*", "benign", _LAZY + " (an optional module)"),
     Declared("torch._dynamo.device_interface._device_initialized", "benign", _ONCE),
+    Declared(
+        "torch._dynamo.utils._gc_threshold_*",
+        "benign",
+        "deferred_full_gc (2.15) raises the process's gen2 GC threshold while any thread compiles, counted under a "
+        "lock by torch itself: the last compile out restores it (GC timing only)",
+    ),
     Declared(
         "torch.*._lazy_seed_tracker.*",
         "benign",
