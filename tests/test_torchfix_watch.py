@@ -2,7 +2,11 @@
 see it, found by looking from another thread. Samples are taken by hand here, while events hold the threads inside
 their work, so nothing depends on timing."""
 
-from conftest import HAS_H1, run_ok, run_python
+import pytest
+from conftest import HAS_H1, HAS_H4, TORCH_VERSION, run_ok, run_python
+
+from torchfix import fixes
+from torchfix._watch import DECLARED, Watcher
 
 WATCHED = """
 import json, threading
@@ -34,13 +38,16 @@ watcher.stop()
 print(json.dumps({c["name"]: c["restored"] for c in watcher.report()["changes"]}))
 """
 FLAG, FLASH = "torch.fx._symbolic_trace._is_fx_tracing_flag", "torch._C._get_flash_sdp_enabled()"
+CALL = "torch.nn.modules.module.Module.__call__"  # the tracer's patch: a per-thread dispatcher there with torchfix
 
 
 def test_the_watcher_reports_shared_state_and_not_per_thread_state():
     with_fix, without = run_ok(WATCHED).json(), run_ok(WATCHED, disable="1").json()
-    assert FLAG not in with_fix, with_fix  # per thread with torchfix (and upstream from 2.14)
+    assert FLAG not in with_fix and CALL not in with_fix, with_fix  # per thread with torchfix (the flag upstream 2.14+)
     if HAS_H1:
         assert without.get(FLAG) is True, without  # set while the trace ran, then restored
+    if HAS_H4:
+        assert without.get(CALL) is True, without
     if FLASH in without:  # torch 2.3+: C++ switches are the process's, fix or not
         assert with_fix.get(FLASH) is True and without[FLASH] is True
 
@@ -55,3 +62,110 @@ def test_watch_runs_a_program_and_prints_what_changed(tmp_path):
     )
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "job ran" in ran.stdout and "torchfix watch:" in ran.stderr and report.exists()
+
+
+REINSTALLED = """
+import json, torchfix, torch, torch._dynamo, torch.export
+from torchfix._watch import Watcher
+torchfix.uninstall()  # torch's globals back in its modules, where the watcher finds them before a fix moves them
+watcher = Watcher().start(background=False)
+torchfix.install()  # the fixes move them to per-thread storage (and serve module.NAME) while it watches
+watcher.stop()
+print(json.dumps([c["name"] for c in watcher.report()["changes"]]))
+"""
+
+
+def test_a_global_a_fix_moves_while_watched_is_read_as_other_modules_read_it():
+    """A fix applied while the watcher runs (one waiting for a module's import) takes the global out of the
+    module's dict: the watcher reads ``module.NAME`` then, the watcher thread's own value, and reports nothing."""
+    assert run_ok(REINSTALLED).json() == []
+
+
+def test_the_declared_names_are_triaged_with_a_reason_and_real_fixes():
+    names = {fix.name for fix in fixes.ALL}
+    for declared in DECLARED:
+        assert declared.verdict in ("benign", "known") and declared.reason, declared
+        assert not declared.fix or (declared.verdict == "known" and declared.fix in names), declared
+        if declared.verdict == "known":  # a known name is watched: neither a benign pattern nor a counter hides it
+            assert not Watcher()._skip(declared.pattern.replace("*", "x")), declared
+
+
+FAMILIES = """
+import json, threading
+import torchfix, torch
+import torch._dynamo  # the mode stack manager is watched from the start
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchfix._watch import Watcher
+
+held, release = [], threading.Event()
+
+def holding(work):  # work(hold) in a thread of its own, which stays in hold() where its family's state is set
+    inside = threading.Event()
+    held.append(inside)
+    def hold():
+        inside.set(); release.wait(120)
+    thread = threading.Thread(target=work, args=(hold,)); thread.start()
+    return thread
+
+class Sin(torch.nn.Module):
+    def forward(self, x):
+        return x.sin() + 1
+program = torch.export.export(Sin(), (torch.ones(2),))
+
+def decompositions(hold):  # 1 and 2: run_decompositions' kernel overrides, the export's backend switches
+    table = torch.export.default_decompositions()
+    table[torch.ops.aten.sin.default] = lambda *args, **kwargs: hold() or NotImplemented
+    program.run_decompositions(table)
+
+class Modes(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+def compile_in_mode(hold):  # 3: a compile's trace sets its thread's torch-function modes aside
+    def backend(gm, example_inputs):
+        hold()
+        return gm.forward
+    with Modes():
+        torch.compile(lambda x: x.cos() + 1, backend=backend)(torch.ones(2))
+
+def sdpa(hold):  # 4: sdpa_kernel's backend switches
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        hold()
+
+class Dispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+def dispatch_mode(hold):  # 5: the dispatch-mode flags
+    with Dispatch():
+        hold()
+
+watcher = Watcher().start(background=False)
+threads = [holding(work) for work in (decompositions, compile_in_mode, sdpa, dispatch_mode)]
+for inside in held:
+    assert inside.wait(120)
+watcher.sample()
+release.set()
+for thread in threads:
+    thread.join(120)
+watcher.stop()
+print(json.dumps({c["name"]: c["known"] for c in watcher.report()["changes"]}))
+"""
+FAMILY_FIXES = (
+    "export-decomp-kernels,export-backend-switches,function-mode-stack,sdpa-kernel-switches,dispatch-mode-flags"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(TORCH_VERSION.release < (2, 9), reason="the five families' fixes cover 2.9+ together")
+def test_the_watcher_reports_the_five_families_without_their_fixes_and_nothing_new_with_them():
+    """Issue 27's five families, each held open in a thread of its own: new without their fixes; with them, the
+    C++ switches (out of reach) are known and nothing is new."""
+    without, with_fix = run_ok(FAMILIES, disable=FAMILY_FIXES).json(), run_ok(FAMILIES).json()
+    new = {name for name, known in without.items() if known is None}
+    assert any(name.startswith("aten.") for name in new), without  # 1: run_decompositions' overrides
+    assert "torch._C._get_mkldnn_enabled()" in new, without  # 2
+    assert "torch._dynamo.variables.torch_function.torch_function_mode_stack_state_mgr.stack" in new, without  # 3
+    assert FLASH in new, without  # 4
+    assert "torch.utils._python_dispatch._is_in_torch_dispatch_mode" in new, without  # 5
+    assert {name for name, known in with_fix.items() if known is None} == set(), with_fix

@@ -6,25 +6,30 @@ A reading of torch's source finds state written by ``global`` statements; it mis
 reading. The watcher instead samples, from a thread of its own that does no work, what any thread would see:
 
 * the plain values (bools, numbers, strings, None) and the functions and classes held by the globals of every
-  loaded ``torch`` module and by the attributes of every class defined there;
+  loaded ``torch`` module, by the attributes of every class defined there and by the attributes of the objects of
+  torch's classes they hold (there also lists, tuples, dicts and sets, by kind and length);
 * the Python kernels of every operator overload made so far (``OpOverload.py_kernels``: which dispatch keys have
   one, and which function);
 * every zero-argument getter of ``torch._C`` that returns a plain value (``_get_mkldnn_enabled``,
   ``_get_flash_sdp_enabled``, ``_get_deterministic_algorithms``, ...).
 
 Per-thread state (``threading.local``, ContextVars, torch's thread-local C++ state, what torchfix makes per
-thread) reads the watcher's own value, which no other thread changes: what the watcher sees change is shared. Each
+thread) reads the watcher's own value, which no other thread changes: what the watcher sees change is shared
+(torchfix's per-thread dispatchers and the globals its fixes move are read so too). Each
 change is reported with the stacks of the other threads at the sample that first saw it (the thread inside the
 context manager that set it is among them), and whether it came back: a value set and restored while work ran is
 a temporary process-wide setting, the hazard family the trust issue is about; one never restored may be a stuck
-flag, a cache filled lazily, or a counter.
+flag, a cache filled lazily, or a counter. What was triaged is :data:`DECLARED`.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import fnmatch
 import json
 import operator
+import re
 import sys
 import threading
 import time
@@ -33,27 +38,166 @@ import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from .fixes._thread_patches import seen_by_this_thread
+
 _PLAIN = (bool, int, float, str, type(None))
 _OTHER = "<an object>"  # a value that is neither plain, nor a function or class: compared by kind only
 KERNELS_EVERY = 8  # the operators' kernels (thousands) are read at every 8th sample, the rest at every one
+
+# What the watcher does not report as new, all in this one place. ------------------------------------------------
 # Names whose values change in normal running, not settings: counters and ids that only grow, timings.
 _COUNTER_WORDS = ("count", "counter", "_id", "next_", "generation", "seq", "_nr", "time", "_idx", "index")
 
 
-def _key_of(value: object) -> object:
-    """What is compared of a value: itself if plain, its identity if a function or class, else :data:`_OTHER`
-    (objects that mutate, caches and registries, are not watched; None turning into one is)."""
+@dataclass(frozen=True)
+class Declared:
+    """Names (an ``fnmatch`` pattern over the watched name) whose change was triaged: ``benign`` ones are not
+    watched; ``known`` ones are reported as known, with the reason, where ``fix`` (a fix's name) is applied or
+    none is named, and as new where that fix is not applied (there the change is the hazard it fixes)."""
+
+    pattern: str
+    verdict: str  # "benign" or "known"
+    reason: str
+    fix: str = ""
+
+
+_LAZY = "a cache or singleton filled once, on first use; a racing second fill makes an equal one"
+_ONCE = "a registration made once (at import, or on first use, then a flag set after it), the same for every thread"
+_PATCHER = "TorchPatcher.patch() (functools.cache'd, at the first compile) or torch._dynamo's import wraps it in "
+_PATCHER += "torch._disable_dynamo once per process, for every thread alike"
+_LOCKED = "inductor lowering state (save/set/restore), serialized by compile_lock for torch.compile; a concurrent "
+_LOCKED += "unlocked AOTInductor / standalone_compile / torch._inductor.compile can race it (not fixed)"
+_TRANSFORMERS = "transformers' guard_torch_init_functions() / no_init_weights() (from_pretrained) replaces "
+_TRANSFORMERS += "torch's functions for the process while a model loads: not torch's state (not fixed)"
+_EXPORT_OFF = "every export turns the backend off for its traces: one C++ setting per process, out of reach "
+_EXPORT_OFF += "(counted, never left off, another thread's setting kept)"
+DECLARED = (
+    Declared("torch._subclasses.fake_tensor.FakeTensorMode.cache_*", "benign", "statistics of the FakeTensor cache"),
+    Declared("torch._dynamo.utils.curr_frame", "benign", "a debug frame counter"),
+    Declared("torch._functorch._aot_autograd.logging_utils.nth_graph", "benign", "a debug graph counter"),
+    Declared("torch._inductor.metrics.*", "benign", "debug counters of inductor's codegen, read by tests only"),
+    Declared("torch.fx.experimental.recording.NEST", "benign", "the indentation of a debug log"),
+    Declared("torch._dynamo.utils.CHROMIUM_EVENT_LOG", "benign", _LAZY),
+    Declared("torch._dynamo.guards._CLOSURE_VARS", "benign", _LAZY),
+    Declared("torch._dynamo.pgo._CODE_STATE", "benign", _LAZY + " (profile-guided sizes, keyed by code)"),
+    Declared("torch._inductor.pattern_matcher._debug_nodes_cache", "benign", _LAZY + " (an environment variable)"),
+    Declared(
+        "torch._opaque_base._FakeScriptObject_cls", "benign", _LAZY + " (a class, cached to break an import cycle)"
+    ),
+    Declared("torch._inductor.dtype_propagation.DtypePropagationOpsHandler._instance", "benign", _LAZY),
+    Declared(
+        "torch._dynamo.variables.constant.CONSTANT_VARIABLE_*.source_location",
+        "benign",
+        "Dynamo's shared None/True/False constants keep the source location of the first trace that pushed them, the "
+        "same in one thread (only graph-break messages read it)",
+    ),
+    Declared("torch.utils.checkpoint.DefaultDeviceType._default_device_type", "benign", _LAZY + " (a device type)"),
+    Declared("torch.autograd.profiler._cupti_monitor_*", "benign", _LAZY + " (an optional module)"),
+    Declared("torch._dynamo.device_interface._device_initialized", "benign", _ONCE),
+    Declared(
+        "torch._dynamo.utils._gc_threshold_*",
+        "benign",
+        "deferred_full_gc (2.15) raises the process's gen2 GC threshold while any thread compiles, counted under a "
+        "lock by torch itself: the last compile out restores it (GC timing only)",
+    ),
+    Declared(
+        "torch.*._lazy_seed_tracker.*",
+        "benign",
+        "torch.manual_seed's calls, kept for a device's lazy init: the seed is the process's by design",
+    ),
+    Declared("torch._inductor.codegen.common._device_op_overrides_initialized", "benign", _ONCE),
+    Declared("torch.distributed.device_mesh._distributed_opaque_types_registered", "benign", _ONCE),
+    Declared("torch._higher_order_ops.invoke_leaf_function._leaf_function_module_retriever", "benign", _ONCE),
+    Declared("aten.miopen_batch_norm.default", "benign", _ONCE + " (torch._inductor.decomposition's py_impl)"),
+    Declared("torch.jit.trace", "benign", _PATCHER),
+    Declared("torch.jit.trace_module", "benign", _PATCHER),
+    Declared("torch.jit._get_trace_graph", "benign", _PATCHER),
+    Declared("torch.fx._symbolic_trace.Tracer.trace", "benign", _PATCHER),
+    Declared("torch.manual_seed", "benign", _PATCHER),
+    Declared("torch.optim.*._init_group", "benign", _PATCHER),
+    Declared("torch.optim.*._fused_*", "benign", _PATCHER),
+    Declared("torch.optim.lbfgs.LBFGS.step", "benign", _PATCHER),
+    Declared("torch.optim.sparse_adam.SparseAdam.step", "benign", _PATCHER),
+    Declared(
+        "torch.distributions.distribution.Distribution._validate_args",
+        "benign",
+        "TorchPatcher.patch() calls Distribution.set_default_validate_args(False) once per process, at the first "
+        "compile",
+    ),
+    Declared("torch._C._get_mkldnn_enabled()", "known", _EXPORT_OFF, fix="export-backend-switches"),
+    Declared("torch._C._get_nnpack_enabled()", "known", _EXPORT_OFF, fix="export-backend-switches"),
+    Declared(
+        "torch._C._get_cudnn_enabled()", "known", _EXPORT_OFF + " (cuDNN from 2.11)", fix="export-backend-switches"
+    ),
+    Declared(
+        "torch._C._get_*_sdp_enabled()",
+        "known",
+        "sdpa_kernel's backend switches: one C++ setting per process, out of reach for eager SDPA (counted, never left "
+        "changed; compiles see their own thread's)",
+        fix="sdpa-kernel-switches",
+    ),
+    Declared(
+        "torch._dynamo.compiled_autograd.active_disable_ctx",
+        "known",
+        "mirrors compiled autograd's compiler slot, one per process in C++, which every AOTAutograd compile clears "
+        "(compiled_autograd._disable) for its time: out of reach while it runs, and an _enable() in another thread "
+        "that exits first is left installed for good (not fixed)",
+    ),
+    Declared(
+        "torch._functorch._aot_autograd.logging_utils.callback_set",
+        "known",
+        "set by the stack-trace hooks of a joint graph's traced backward: a compile (compile_lock) and an unlocked "
+        "joint trace at once can leave the second's nodes with another node's stack_trace (debug metadata; not fixed)",
+    ),
+    Declared(
+        "torch.fx.graph.CodeGen._sym_repr",
+        "known",
+        "print_readable(fast_sympy_print=True) (AOTAutograd's cache, inductor's post-grad artifact) swaps the printer "
+        "of symbolic sizes for the process while it prints: another thread's readable code meanwhile shows sympy's "
+        "form, and two overlapping exits can leave it for good (cosmetic; not fixed)",
+    ),
+    Declared("torch.nn.init.*", "known", _TRANSFORMERS),
+    Declared("torch.nn.modules.activation.constant_", "known", _TRANSFORMERS),  # imported by name there
+    Declared("torch.nn.modules.activation.xavier_*", "known", _TRANSFORMERS),
+    Declared("torch.nn.modules.transformer.xavier_uniform_", "known", _TRANSFORMERS),
+    Declared(
+        "torch.linspace",
+        "known",
+        "transformers' meta_device_safe_creation_ops() (from_pretrained) replaces it for the process while a model "
+        "loads, defaulting device='cpu': not torch's state (not fixed)",
+    ),
+    Declared("torch._inductor.ir.ConstantBuffer.override_device", "known", _LOCKED),
+    Declared("torch._inductor.triton_bundler.TritonBundler.*", "known", _LOCKED),
+)
+_BENIGN = re.compile("|".join(fnmatch.translate(d.pattern) for d in DECLARED if d.verdict == "benign"))
+
+
+def known_reason(name: str, applied: set[str]) -> str | None:
+    """Why a change of ``name`` is known (triaged) with the fixes ``applied``; None where it is new."""
+    for declared in DECLARED:
+        if declared.verdict == "known" and fnmatch.fnmatchcase(name, declared.pattern):
+            return declared.reason if not declared.fix or declared.fix in applied else None
+    return None
+
+
+_CONTAINERS = (list, tuple, dict, set, collections.defaultdict)
+
+
+def _key_of(value: object, containers: bool = False) -> object:
+    """What is compared of a value: itself if plain, its identity if a function or class, with ``containers`` a
+    container's kind and length, else :data:`_OTHER` (objects that mutate, caches and registries, are not watched;
+    None turning into one is)."""
     kind = type(value)  # type(), not isinstance(): that reads __class__, which some deprecated objects warn on
     if kind in _PLAIN:
         return value
+    if containers and kind in _CONTAINERS:  # an object's list swapped for another (the mode stack manager's)
+        return ("container", kind.__name__, len(value))
+    if kind is types.FunctionType:  # torchfix's per-thread dispatcher of a patched slot: what this thread calls
+        value = seen_by_this_thread(value)
+        kind = type(value)
     if kind in (types.FunctionType, types.BuiltinFunctionType) or issubclass(kind, type):
         return ("object", id(value), value.__qualname__ if hasattr(kind, "__qualname__") else repr(value))
     return _OTHER
-
-
-def _is_counter(name: str) -> bool:
-    lowered = name.lower()
-    return any(word in lowered for word in _COUNTER_WORDS)
 
 
 @dataclass
@@ -85,6 +229,8 @@ def _shown(key: object, before: object = None) -> object:
     """A watched value for the report; an operator's kernels as what changed since ``before``."""
     if isinstance(key, tuple) and key[:1] == ("object",):
         return f"{key[2]} (object {key[1]:#x})"
+    if isinstance(key, tuple) and key[:1] == ("container",):
+        return f"a {key[1]} of {key[2]}"
     if isinstance(key, frozenset):
         if not isinstance(before, frozenset):
             return f"{len(key)} kernels"
@@ -97,9 +243,9 @@ class Watcher:
     """Samples torch's process state from its own thread every ``interval`` seconds between :meth:`start` and
     :meth:`stop`; :attr:`changes` is what it saw differ from the state at :meth:`start`."""
 
-    def __init__(self, interval: float = 0.02, ignore_counters: bool = True) -> None:
+    def __init__(self, interval: float = 0.02, ignore_benign: bool = True) -> None:
         self.interval = interval
-        self.ignore_counters = ignore_counters
+        self.ignore_benign = ignore_benign  # leave out counters and the names DECLARED benign
         self.changes: dict[str, Change] = {}
         self.samples = 0
         self.sample_seconds = 0.0  # time spent sampling (holding the GIL): the watcher's cost
@@ -109,6 +255,7 @@ class Watcher:
         self._readers: list[tuple[str, str, Callable[[], object], object]] = []  # (name, kind, read, read() at start)
         self._switches: list[tuple[str, str, Callable[[], object], object]] = []  # the C++ getters among them
         self._seen_modules: set[str] = set()
+        self._seen_objects: set[int] = set()
         self._stacks: dict[str, list[str]] | None = None  # the other threads' stacks at this sample, once needed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -125,15 +272,21 @@ class Watcher:
             return
         self._readers.append((name, kind, read, before))
 
-    def _add_namespace(self, prefix: str, kind: str, namespace: dict, keys: list[str]) -> None:
+    def _add_namespace(
+        self, prefix: str, kind: str, namespace: dict, keys: list[str], module: types.ModuleType | None = None
+    ) -> None:
         """Watch ``namespace[key]`` (a module's or a class's dict) for each key holding a plain value, a function
-        or a class."""
-        keys = [k for k in keys if not self._skip(k) and _key_of(namespace.get(k)) != _OTHER]
+        or a class; a key that leaves a ``module``'s dict is read as other modules read it (``module.key``)."""
+        containers = kind == "object attribute"
+        keys = [k for k in keys if not self._skip(f"{prefix}.{k}") and _key_of(namespace.get(k), containers) != _OTHER]
         if keys:
-            self._namespaces.append(_Namespace(prefix, kind, namespace, keys))
+            self._namespaces.append(_Namespace(prefix, kind, namespace, keys, module))
 
     def _skip(self, name: str) -> bool:
-        return self.ignore_counters and _is_counter(name.rsplit(".", 1)[-1])
+        if not self.ignore_benign:
+            return False
+        last = name.rsplit(".", 1)[-1].lower()
+        return any(word in last for word in _COUNTER_WORDS) or _BENIGN.match(name) is not None
 
     def _add_new_modules(self) -> None:
         """The globals and classes of every ``torch`` module loaded since the last look."""
@@ -145,13 +298,19 @@ class Watcher:
             self._seen_modules.add(module_name)
             namespace = vars(module)
             names = [name for name in list(namespace) if not name.startswith("__")]
-            self._add_namespace(module_name, "module global", namespace, names)
+            self._add_namespace(module_name, "module global", namespace, names, module)
             for name in names:
                 value = namespace.get(name)
-                if issubclass(type(value), type) and vars(value).get("__module__") == module_name:
+                kind = type(value)
+                if issubclass(kind, type) and vars(value).get("__module__") == module_name:
                     attrs = vars(value)  # a class's own attributes, and the special methods torch patches
                     watched = [a for a in list(attrs) if not a.startswith("__") or a in _PATCHED_SPECIAL_METHODS]
                     self._add_namespace(f"{module_name}.{name}", "class attribute", attrs, watched)
+                elif _is_torch_object(value) and id(value) not in self._seen_objects:
+                    self._seen_objects.add(id(value))  # one object held by several modules is watched once
+                    attrs = _own_dict(value)  # an object's own attributes: a module-level singleton's state
+                    watched = [a for a in list(attrs) if not a.startswith("__")]
+                    self._add_namespace(f"{module_name}.{name}", "object attribute", attrs, watched)
 
     def _add_switches(self) -> None:
         torch_c = sys.modules["torch"]._C
@@ -215,9 +374,11 @@ class Watcher:
         readers = self._readers if everything or self.samples % KERNELS_EVERY == 1 else self._switches
         differ: set[str] = set()
         for group in self._namespaces:
-            for name, before, now in group.differing():
-                self._differs(name, group.kind, _key_of(before), _key_of(now))
-                differ.add(name)
+            for name, before, now in group.differing():  # before: its key at the start
+                now = _key_of(now, group.containers)
+                if now != before:  # else another object that is the same for this thread (a dispatcher)
+                    self._differs(name, group.kind, before, now)
+                    differ.add(name)
         for name, kind, read, before in readers:
             try:
                 now = read()
@@ -243,13 +404,20 @@ class Watcher:
             change.seen.append(now)
 
     def report(self) -> dict:
-        """What the watcher saw, set-and-restored first (temporary process-wide settings)."""
-        changes = sorted(self.changes.values(), key=lambda c: (not c.restored, c.kind, c.name))
+        """What the watcher saw: new changes first, set-and-restored before the rest (temporary process-wide
+        settings); each change's ``known`` is why it was triaged (:data:`DECLARED`), or None where it is new."""
+        from . import status
+        from ._fix import State
+
+        applied = {entry.name for entry in status() if entry.state in (State.APPLIED, State.PENDING)}
+        changes = [dict(c.describe(), known=known_reason(c.name, applied)) for c in self.changes.values()]
+        changes.sort(key=lambda c: (c["known"] is not None, not c["restored"], c["kind"], c["name"]))
         return {
             "samples": self.samples,
             "probes": sum(len(g.keys) for g in self._namespaces) + len(self._readers),
             "sampling_seconds": round(self.sample_seconds, 3),
-            "changes": [c.describe() for c in changes],
+            "new": sum(c["known"] is None for c in changes),
+            "changes": changes,
         }
 
 
@@ -258,15 +426,21 @@ _PATCHED_SPECIAL_METHODS = ("__call__", "__getattr__", "__getattribute__")  # wh
 
 
 class _Namespace:
-    """Watched keys of one dict (a module's, a class's), with their values at the start, read in one C call."""
+    """Watched keys of one dict (a module's, a class's, an object's), with their values at the start, read in one C
+    call."""
 
-    def __init__(self, prefix: str, kind: str, namespace: dict, keys: list[str]) -> None:
-        self.prefix, self.kind, self.namespace, self.keys = prefix, kind, namespace, keys
+    def __init__(
+        self, prefix: str, kind: str, namespace: dict, keys: list[str], module: types.ModuleType | None
+    ) -> None:
+        self.prefix, self.kind, self.namespace, self.keys, self.module = prefix, kind, namespace, keys, module
+        self.containers = kind == "object attribute"  # an object's lists and dicts are compared by their length
         self._read = operator.itemgetter(*keys)  # one key: the value; several: a tuple of them
         self._before = self._read(namespace)
+        befores = self._before if len(keys) > 1 else (self._before,)
+        self._before_keys = [_key_of(value, self.containers) for value in befores]
 
     def differing(self) -> Iterator[tuple[str, object, object]]:
-        """(name, value at the start, value now) of each key whose value is not what it was."""
+        """(name, key of the value at the start, value now) of each key whose value is not the one it was."""
         try:
             now = self._read(self.namespace)
             if now is self._before or now == self._before:  # a tuple compares by identity first, then ==
@@ -274,10 +448,28 @@ class _Namespace:
         except Exception:  # a key deleted, or a value whose == raises (a tensor where None was)
             pass
         befores = self._before if len(self.keys) > 1 else (self._before,)
-        for key, before in zip(self.keys, befores):
+        for key, before, before_key in zip(self.keys, befores, self._before_keys):
             now = self.namespace.get(key, _DELETED)
+            if now is _DELETED and self.module is not None:  # moved out (torchfix's per-thread globals, PEP 562)
+                now = getattr(self.module, key, _DELETED)
             if now is not before and not _same(now, before):
-                yield f"{self.prefix}.{key}", before, now
+                yield f"{self.prefix}.{key}", before_key, now
+
+
+def _is_torch_object(value: object) -> bool:
+    """An instance of a class of torch's (not a class, function or module) with attributes of its own."""
+    kind = type(value)
+    if issubclass(kind, (type, types.ModuleType, types.FunctionType, threading.local)):
+        return False
+    try:
+        return kind.__module__.split(".")[0] == "torch" and type(_own_dict(value)) is dict
+    except AttributeError:  # no __dict__
+        return False
+
+
+def _own_dict(value: object) -> dict:
+    """``vars(value)`` without the class's ``__getattribute__`` (a deprecated object's warns)."""
+    return object.__getattribute__(value, "__dict__")
 
 
 def _same(now: object, before: object) -> bool:
@@ -362,10 +554,13 @@ def _print(report: dict) -> None:
     changes = report["changes"]
     print(
         f"\ntorchfix watch: {report['samples']} samples of {report['probes']} names "
-        f"({report['sampling_seconds']} s sampling); {len(changes)} changed",
+        f"({report['sampling_seconds']} s sampling); {len(changes)} changed, {report['new']} of them new",
         file=sys.stderr,
     )
     for change in changes:
+        if change["known"] is not None:
+            print(f"  {'known':22} {change['kind']:16} {change['name']}: {change['known']}", file=sys.stderr)
+            continue
         state = "set and restored" if change["restored"] else "changed, not restored"
         print(
             f"  {state:22} {change['kind']:16} {change['name']}: {change['before']!r} -> {change['seen']!r}",

@@ -162,6 +162,15 @@ class ThreadPatches:
 _DISPATCH_CODE = next(c for c in ThreadPatches._dispatcher.__code__.co_consts if isinstance(c, types.CodeType))
 
 
+def seen_by_this_thread(value: object) -> object:
+    """What ``value`` calls in the calling thread if it is a dispatcher (its patch, or the original); else
+    ``value``. The watcher (``torchfix watch``) compares slots so: a dispatcher is shared, what it calls is not."""
+    if getattr(value, "__code__", None) is not _DISPATCH_CODE:
+        return value
+    cells = dict(zip(_DISPATCH_CODE.co_freevars, (cell.cell_contents for cell in value.__closure__)))
+    return cells["self"]._top(cells["key"]) or cells["slot"].original
+
+
 def _skip_in_dynamo(eval_frame: types.ModuleType) -> None:
     eval_frame.skip_code(_DISPATCH_CODE)
 
