@@ -7,7 +7,7 @@ from conftest import HAS_H1, run_ok, run_python
 WATCHED = """
 import json, threading
 import torchfix, torch
-from torchfix._watch import Watcher
+from torchfix.doctor.watch import Watcher
 
 inside_trace, inside_sdpa, done = threading.Event(), threading.Event(), threading.Event()
 

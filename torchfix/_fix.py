@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ._cache import rebuilt_on_failure
+from .patching.cache import rebuilt_on_failure
 
 if TYPE_CHECKING:
-    from ._selftest import Result
+    from .doctor.scenarios import Result
 
 # The newest torch minor release every fix was checked against: a later one is "unsupported" until checked.
 NEWEST_CHECKED = "2.15"

@@ -28,10 +28,10 @@ import types
 from collections.abc import Callable
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch, source_without_import
-from .._selftest import Result, fresh, torch_module
-from .._source import Edit, ShapeError, parse, replace_node
-from ._thread_patches import ThreadPatches, skip_in_dynamo_when_imported
+from ..doctor.scenarios import Result, fresh, torch_module
+from ..patching.patches import SourcePatch, source_without_import
+from ..patching.slots import ThreadPatches, skip_in_dynamo_when_imported
+from ..patching.source import Edit, ShapeError, parse, replace_node
 
 AOT = "torch._functorch.aot_autograd"
 TRANSFORMS = "torch._functorch._aot_autograd.traced_function_transforms"  # functionalized RNG, 2.2 - 2.8

@@ -36,10 +36,10 @@ import types
 import warnings
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result
-from .._source import Edit, ShapeError, definitions, replace_node, segment
-from ._thread_patches import ThreadPatches, in_finally, skip_in_dynamo_when_imported
+from ..doctor.scenarios import Result
+from ..patching.patches import SourcePatch
+from ..patching.slots import ThreadPatches, in_finally, skip_in_dynamo_when_imported
+from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch.compiler"
 HELPER = "_thread_patches"

@@ -30,10 +30,10 @@ from __future__ import annotations
 import ast
 import importlib
 
-from .._defaults import ConfigDefault, KeywordDefault
 from .._fix import Fix, minor_release, releases
-from .._patch import SourcePatch
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..patching.defaults import ConfigDefault, KeywordDefault
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
 
 SWITCH = "force_non_lazy_backward_lowering"
 CONFIG = "torch._functorch.config"

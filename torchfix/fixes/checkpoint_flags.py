@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import Result, held_elsewhere
+from ..doctor.scenarios import Result, held_elsewhere
+from ..patching.patches import moved_globals_fix
 
 MODULE = "torch.utils.checkpoint"
 

@@ -41,9 +41,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, fresh_add_one
-from .._source import Edit, ShapeError, definitions, insert_at, replace_node, segment
+from ..doctor.scenarios import Result, fresh_add_one
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definitions, insert_at, replace_node, segment
 
 MODULE = "torch._dynamo.convert_frame"
 HELPER = "_compile_unless_cached"

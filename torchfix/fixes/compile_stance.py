@@ -22,8 +22,8 @@ from __future__ import annotations
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result
+from ..doctor.scenarios import Result
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch._dynamo.eval_frame"
 HOLDER = "_stance_tls"

@@ -29,10 +29,10 @@ import sys
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, fresh, torch_module
-from .._source import Edit, ShapeError, insert_at, parse, segment
-from .._switches import compile_view
+from ..doctor.scenarios import Result, fresh, torch_module
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, insert_at, parse, segment
+from ..patching.switches import compile_view
 
 MODULE = "torch._dynamo.convert_frame"
 VIEW = "_torchfix_compile_view"

@@ -36,8 +36,8 @@ import importlib.util
 import sys
 
 from .._fix import Fix, Scenario, releases
-from .._patch import AttributeUses, ThreadLocalGlobals
-from .._selftest import HeldTrace, Result
+from ..doctor.scenarios import HeldTrace, Result
+from ..patching.patches import AttributeUses, ThreadLocalGlobals
 
 MODULE = "torch.compiler"
 HOLDER = "_compiler_flags_tls"

@@ -26,9 +26,9 @@ import threading
 import weakref
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..doctor.scenarios import Result
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch.cuda.graphs"
 SHARED = "self.__class__.default_capture_stream"

@@ -33,10 +33,10 @@ import sys
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import PerThreadName, SourcePatch
-from .._selftest import Result, compiled_add_one
-from .._source import Edit, ShapeError, parse, replace_node, segment
-from .._thread_stash import stash_until_thread_end
+from ..doctor.scenarios import Result, compiled_add_one
+from ..patching.patches import PerThreadName, SourcePatch
+from ..patching.source import Edit, ShapeError, parse, replace_node, segment
+from ..patching.stash import stash_until_thread_end
 
 TREES = "torch._inductor.cudagraph_trees"
 GUARD = "torch._dynamo.mutation_guard"

@@ -34,10 +34,10 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from .._fix import Fix, Scenario, minor_release, releases
-from .._patch import SourcePatch
-from .._selftest import Result, in_thread
-from .._source import Edit, ShapeError, definitions, replace_node, segment
-from .._thread_stash import adopt_until_thread_end, stash_until_thread_end
+from ..doctor.scenarios import Result, in_thread
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
+from ..patching.stash import adopt_until_thread_end, stash_until_thread_end
 
 MODULE = "torch._inductor.cudagraph_trees"
 LOCK = "graph_capture_lock"

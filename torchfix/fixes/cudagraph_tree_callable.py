@@ -32,8 +32,8 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from .._fix import Fix, releases
-from .._patch import SourcePatch
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch._inductor.compile_fx"
 HELPER = "_cudagraphify_per_tree"

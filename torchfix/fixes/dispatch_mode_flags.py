@@ -35,8 +35,8 @@ import inspect
 import threading
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import Result, fresh
+from ..doctor.scenarios import Result, fresh
+from ..patching.patches import moved_globals_fix
 
 MODULE = "torch.utils._python_dispatch"
 FLAGS = {

@@ -20,9 +20,9 @@ import importlib
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, torch_module
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..doctor.scenarios import Result, torch_module
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch.export._draft_export"
 SWITCH = "torch._logging._internal.GET_DTRACE_STRUCTURED"

@@ -38,8 +38,8 @@ import sys
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, fresh
+from ..doctor.scenarios import Result, fresh
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
 
 HOLDER = "_trace_state_tls"
 CONVERT_FRAME, TRACE_RULES, BUILDER = (

@@ -32,10 +32,10 @@ import inspect
 import sys
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch, source_without_import
-from .._selftest import HeldExport, Result, export_never_held, torch_module
-from .._source import Edit, ShapeError, definition, replace_node
-from .._switches import Override, Switch
+from ..doctor.scenarios import HeldExport, Result, export_never_held, torch_module
+from ..patching.patches import SourcePatch, source_without_import
+from ..patching.source import Edit, ShapeError, definition, replace_node
+from ..patching.switches import Override, Switch
 
 MODULE, FUNCTION = "torch.export._trace", "_ignore_backend_decomps"
 OFF = "_torchfix_backend_off"

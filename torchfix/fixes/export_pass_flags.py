@@ -24,8 +24,8 @@ from __future__ import annotations
 import importlib
 
 from .._fix import Fix, Scenario, minor_release, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, held_elsewhere, torch_module
+from ..doctor.scenarios import Result, held_elsewhere, torch_module
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
 
 QUANTIZED = "torch._export.passes.replace_quantized_ops_with_standard_ops_pass"
 UTILS = "torch._export.utils"

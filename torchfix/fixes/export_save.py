@@ -20,9 +20,9 @@ import importlib
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result
-from .._source import Edit, ShapeError, parse, replace_node
+from ..doctor.scenarios import Result
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, parse, replace_node
 
 MODULE = "torch._export.serde.serialize"
 SERIALIZE = "serialize_torch_artifact"

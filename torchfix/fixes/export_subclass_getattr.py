@@ -24,9 +24,9 @@ import importlib.util
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import source_without_import
-from .._selftest import Result
-from ._thread_patches import HELPER, SlotPatches
+from ..doctor.scenarios import Result
+from ..patching.patches import source_without_import
+from ..patching.slots import HELPER, SlotPatches
 
 MODULE = "torch.export._trace"
 FUNCTION = "override_getattribute_for_subclasses"  # nested in the non-strict trace (_export_to_aten_ir_make_fx)

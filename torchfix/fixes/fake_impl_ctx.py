@@ -18,8 +18,8 @@ import importlib.util
 import threading
 
 from .._fix import Fix, Scenario, minor_release, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result
+from ..doctor.scenarios import Result
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
 
 HOLDER = "_ctx_getter_tls"
 GETTER = "global_ctx_getter"

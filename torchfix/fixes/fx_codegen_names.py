@@ -26,9 +26,9 @@ import threading
 from collections.abc import Callable, Iterator
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, hold, line_of, started_thread, stopping
-from .._source import Edit, ShapeError, definition, iter_code, replace_node, segment
+from ..doctor.scenarios import Result, hold, line_of, started_thread, stopping
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definition, iter_code, replace_node, segment
 
 HELPER = "_torchfix_codegen_names"
 

@@ -27,8 +27,8 @@ import threading
 import warnings
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, in_thread
+from ..doctor.scenarios import Result, in_thread
+from ..patching.patches import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch.fx.traceback"
 FLEX = "torch._higher_order_ops.flex_attention"

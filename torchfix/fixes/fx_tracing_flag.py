@@ -23,9 +23,9 @@ import types
 from collections.abc import Callable, Iterator
 
 from .._fix import Fix, Scenario, releases
-from .._patch import AttributeUses, SourcePatch, ThreadLocalGlobals
-from .._selftest import HeldTrace, Result, call_compiled, compiled_add_one
-from .._source import Edit, ShapeError, definitions, insert_at, nested_function, parse
+from ..doctor.scenarios import HeldTrace, Result, call_compiled, compiled_add_one
+from ..patching.patches import AttributeUses, SourcePatch, ThreadLocalGlobals
+from ..patching.source import Edit, ShapeError, definitions, insert_at, nested_function, parse
 
 MODULE = "torch.fx._symbolic_trace"
 FLAG = "_is_fx_tracing_flag"

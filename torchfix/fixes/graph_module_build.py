@@ -33,9 +33,9 @@ import importlib
 import threading
 
 from .._fix import Fix, Scenario, minor_release, releases
-from .._patch import SourcePatch, ThreadLocalGlobals
-from .._selftest import HeldTrace, Result, fresh
-from ._thread_patches import HELPER, SlotPatches
+from ..doctor.scenarios import HeldTrace, Result, fresh
+from ..patching.patches import SourcePatch, ThreadLocalGlobals
+from ..patching.slots import HELPER, SlotPatches
 
 CONVERT_FRAME, LAZY = "torch._dynamo.convert_frame", "torch.fx._lazy_graph_module"
 FLAGS = {"_use_lazy_graph_module_flag": "use_lazy", "_force_skip_lazy_graph_module_flag": "force_skip"}

@@ -36,8 +36,8 @@ import threading
 import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, fresh, torch_module
+from ..doctor.scenarios import Result, fresh, torch_module
+from ..patching.patches import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch._dynamo.graph_bytecode_inputs"
 HOLDER = "_user_objects_tls"

@@ -29,9 +29,9 @@ import types
 from collections.abc import Callable
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, hold, line_of, started_thread, stopping
-from .._source import Edit, ShapeError, definition, replace_node, segment
+from ..doctor.scenarios import Result, hold, line_of, started_thread, stopping
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definition, replace_node, segment
 
 PREDISPATCH = "torch._functorch.predispatch"
 LEAF = "torch._higher_order_ops.invoke_leaf_function"

@@ -28,7 +28,8 @@ import ast
 import importlib
 
 from .._fix import Fix, Scenario, releases
-from .._patch import (
+from ..doctor.scenarios import Result, held_elsewhere, torch_module
+from ..patching.patches import (
     PerThreadName,
     SourcePatch,
     ThreadLocalGlobals,
@@ -36,8 +37,7 @@ from .._patch import (
     moved_global_probe,
     per_thread_class,
 )
-from .._selftest import Result, held_elsewhere, torch_module
-from .._source import Edit, ShapeError, definitions, parse, replace_node, segment
+from ..patching.source import Edit, ShapeError, definitions, parse, replace_node, segment
 
 LOCAL_MAP = "torch._higher_order_ops.local_map"
 FLAG, HOLDER = "_DEFER_INLINING", "_defer_inlining_tls"

@@ -16,8 +16,8 @@ stack only through ``mode_stack_state_for_pre_dispatch()``, so one moved global 
 from __future__ import annotations
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import HeldExport, Result, export_never_held
+from ..doctor.scenarios import HeldExport, Result, export_never_held
+from ..patching.patches import moved_globals_fix
 
 STACK = "_mode_stack_state_for_pre_dispatch"
 

@@ -33,9 +33,9 @@ import warnings
 from collections.abc import Callable
 
 from .._fix import Fix, Scenario, releases
-from .._patch import source_without_import
-from .._selftest import Result
-from ._thread_patches import HELPER, SlotPatches
+from ..doctor.scenarios import Result
+from ..patching.patches import source_without_import
+from ..patching.slots import HELPER, SlotPatches
 
 TORCHBIND, META_TRACER = "torch._higher_order_ops.torchbind", "torch.fx.experimental.meta_tracer"
 CONSTRUCTORS = ("arange", "zeros", "ones", "full_like", "eye")  # MetaTracer._TORCH_METHODS_TO_PATCH

@@ -29,9 +29,9 @@ import ast
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result
-from .._source import Edit, ShapeError, definitions, nested_function
+from ..doctor.scenarios import Result
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
+from ..patching.source import Edit, ShapeError, definitions, nested_function
 
 MODULE = "torch.autograd.graph"
 RELPATH = "torch/autograd/graph.py"

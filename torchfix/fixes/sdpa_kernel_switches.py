@@ -32,10 +32,10 @@ import sys
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch, source_without_import
-from .._selftest import Result, torch_module
-from .._source import Edit, ShapeError, definition, replace_node
-from .._switches import Override, Switch
+from ..doctor.scenarios import Result, torch_module
+from ..patching.patches import SourcePatch, source_without_import
+from ..patching.source import Edit, ShapeError, definition, replace_node
+from ..patching.switches import Override, Switch
 
 MODULE, FUNCTION = "torch.nn.attention", "sdpa_kernel"
 OVERRIDE = "_torchfix_sdpa_override"

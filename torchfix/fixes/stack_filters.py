@@ -27,9 +27,9 @@ import sys
 import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, torch_module
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..doctor.scenarios import Result, torch_module
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
 
 GUARDS = "torch._dynamo.guards"
 SHAPES = "torch.fx.experimental.symbolic_shapes"

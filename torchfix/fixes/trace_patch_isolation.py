@@ -32,10 +32,10 @@ import threading
 import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ThreadLocalGlobals
-from .._selftest import MODULE_GRAPH, HeldTrace, Result, graph_ops, module_around
-from .._source import Edit, ShapeError, definitions, replace_node, segment
-from ._thread_patches import ThreadPatches, skip_in_dynamo_when_imported
+from ..doctor.scenarios import MODULE_GRAPH, HeldTrace, Result, graph_ops, module_around
+from ..patching.patches import ThreadLocalGlobals
+from ..patching.slots import ThreadPatches, skip_in_dynamo_when_imported
+from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch.fx._symbolic_trace"
 HELPER = "_thread_patches"

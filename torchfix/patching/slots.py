@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterator
 
 import wrapt
 
-from .._patch import SourcePatch, source_without_import
-from .._source import Edit, ShapeError, definitions, parse, replace_node, segment
-from .._thread_stash import ThreadSpaces
+from .patches import SourcePatch, source_without_import
+from .source import Edit, ShapeError, definitions, parse, replace_node, segment
+from .stash import ThreadSpaces
 
 _ABSENT = object()
 HELPER = "_thread_patches"  # the ThreadPatches' name in a patched module (SlotPatches)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from ._source import ShapeError
+from ..patching.source import ShapeError
 
 NESTED_TRACE_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 
@@ -355,9 +355,9 @@ def run_all(timeout: float = 60.0) -> list[Result]:
     stage: without the fixes, some leave the process broken (a stuck flag, ``nn.Module`` left patched) and
     overlapping exports leave torch's pre-dispatch mode stack dirty, so those run last. A scenario that raises
     because an earlier one broke the process is reported as a failure rather than stopping the report."""
-    from . import fixes
-    from ._fix import State
-    from ._install import status
+    from .. import fixes
+    from .._fix import State
+    from .._install import status
 
     applied = {entry.name for entry in status() if entry.state is State.APPLIED}
     declared = [

@@ -19,9 +19,9 @@ import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
-from ._cache import cached, digest
-from ._fix import Fix, Scenario, releases
-from ._source import (
+from .._fix import Fix, Scenario, releases
+from .cache import cached, digest
+from .source import (
     Edit,
     PatchedFile,
     ShapeError,
@@ -33,7 +33,7 @@ from ._source import (
     segment,
     unified_diff,
 )
-from ._thread_stash import ThreadSpaces
+from .stash import ThreadSpaces
 
 if TYPE_CHECKING:
     import symtable

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass
 from typing import ClassVar
 
-from ._cache import cached, digest
+from .cache import cached, digest
 
 
 class ShapeError(Exception):
