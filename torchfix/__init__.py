@@ -14,8 +14,9 @@ and reports what one thread changed where the others could see it: ``python -m t
 
 import contextlib
 
+from ._errors import TorchfixError, TorchfixWarning
 from ._fix import FixStatus, State
-from ._install import TorchfixError, TorchfixWarning, install, status, uninstall
+from ._install import install, status, uninstall
 from .patching.config import propagate_config
 
 __all__ = [

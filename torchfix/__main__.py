@@ -38,7 +38,7 @@ def _load_triggers() -> None:
 def doctor(selftest: bool) -> int:
     import torch
 
-    from .doctor import scenarios
+    from .doctor import selftest
 
     _load_triggers()
 
@@ -61,7 +61,7 @@ def doctor(selftest: bool) -> int:
         print("        configuring, to make those settings the process's")
     if selftest:
         print("\nself-test (the hazards, forced with events in live threads):")
-        for result in scenarios.run_all(timeout=60.0):
+        for result in selftest.run_all(timeout=60.0):
             problems += result.hazard
             print(f"  {'FAIL' if result.hazard else 'pass'}  {result.scenario}: {result.detail[:160]}")
     print(f"\n{'OK' if not problems else f'{problems} problem(s)'}")

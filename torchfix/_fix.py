@@ -53,8 +53,8 @@ class Scenario:
     """A forced interleaving of threads that shows one fix's hazard, declared by the fix.
 
     ``function`` lives in the fix's own module, beside the patches it tests (what several scenarios share is in
-    ``torchfix._selftest``). The doctor (``_selftest.run_all``) runs every fix's scenarios with the fixes on;
-    the hazard tests run each in a fresh interpreter twice, with torchfix and with its fix disabled
+    ``torchfix.doctor.scenarios``). The doctor (``doctor.selftest.run_all``) runs every fix's scenarios with the
+    fixes on; the hazard tests run each in a fresh interpreter twice, with torchfix and with its fix disabled
     (TORCHFIX_DISABLE), and assert that the hazard shows exactly where ``hazard`` says and only when disabled."""
 
     function: Callable[..., Result | None]  # takes ``*args, timeout=``; None where this torch lacks what it needs

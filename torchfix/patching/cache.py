@@ -42,6 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from .._errors import TorchfixWarning
+
 T = TypeVar("T")
 
 _FORMAT = 3  # bump when what an entry holds changes shape
@@ -73,8 +75,6 @@ def _torchfix_digest() -> str:
 
 
 def _warn(message: str) -> None:
-    from .._install import TorchfixWarning  # here: _install imports the fixes, which import this module
-
     warnings.warn(f"torchfix: {message}", TorchfixWarning, stacklevel=3)
 
 
