@@ -348,4 +348,3 @@ def started_thread(
     thread = threading.Thread(target=run, name=f"torchfix-selftest-{name}", daemon=True)
     thread.start()
     return thread
-

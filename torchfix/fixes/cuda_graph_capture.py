@@ -28,7 +28,7 @@ import weakref
 from .._fix import Fix, Scenario, releases
 from ..doctor.scenarios import Result
 from ..patching.patches import SourcePatch
-from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
+from ..patching.source import Edit, ShapeError, definitions, find_replaced, replace_node, segment
 
 MODULE = "torch.cuda.graphs"
 SHARED = "self.__class__.default_capture_stream"
@@ -125,11 +125,14 @@ class _PerThreadCaptures(SourcePatch):
             (exit_, "self.cuda_graph.capture_end()", f"{CAPTURES}.end(self)"),
             (exit_, "self.stream_ctx.__exit__(", f"{CAPTURES}.exit(self, "),
         ):
-            found = [n for n in ast.walk(method) if isinstance(n, ast.Call) and segment(source, n).startswith(call)]
-            if len(found) != 1:
-                raise ShapeError(f"{self.relpath}: expected one {call} in graph.{method.name}, found {len(found)}")
-            text = segment(source, found[0])
-            edits.append(replace_node(found[0], replacement + text[len(call) :] if call.endswith("(") else replacement))
+            (found,) = find_replaced(
+                self.relpath,
+                method,
+                f"{call} in graph.{method.name}",
+                lambda n, call=call: isinstance(n, ast.Call) and segment(source, n).startswith(call),
+            )
+            text = segment(source, found)
+            edits.append(replace_node(found, replacement + text[len(call) :] if call.endswith("(") else replacement))
         return edits
 
     def helpers(self) -> dict[str, object]:

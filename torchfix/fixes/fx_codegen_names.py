@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from .._fix import Fix, Scenario, releases
 from ..doctor.scenarios import Result, hold, line_of, started_thread, stopping
 from ..patching.patches import SourcePatch
-from ..patching.source import Edit, ShapeError, definition, iter_code, replace_node, segment
+from ..patching.source import Edit, ShapeError, definition, find_replaced, iter_code, replace_node, segment
 
 HELPER = "_torchfix_codegen_names"
 
@@ -74,16 +74,20 @@ class _GraphNaming(_UsesNames):
         super().__init__("torch.fx.graph", "torch/fx/graph.py", names)
 
     def edits(self, source: str) -> list[Edit]:
-        overrides = [
-            item.context_expr
-            for node in ast.walk(definition(source, self.relpath, "Graph.python_code"))
-            if isinstance(node, ast.With)
-            for item in node.items
-            if segment(source, item.context_expr) == "override_node_repr(self)"
-        ]
-        if len(overrides) != 1:
-            raise ShapeError(f"{self.relpath}: expected Graph.python_code to enter override_node_repr(self) once")
-        return [replace_node(overrides[0], f"{HELPER}.naming(self, node_repr)")]
+        (override,) = find_replaced(
+            self.relpath,
+            [
+                item
+                for node in ast.walk(definition(source, self.relpath, "Graph.python_code"))
+                if isinstance(node, ast.With)
+                for item in node.items
+            ],
+            "`with override_node_repr(self)` in Graph.python_code",
+            lambda node: (
+                isinstance(node, ast.withitem) and segment(source, node.context_expr) == "override_node_repr(self)"
+            ),
+        )
+        return [replace_node(override.context_expr, f"{HELPER}.naming(self, node_repr)")]
 
 
 class _NodeRepr(_UsesNames):

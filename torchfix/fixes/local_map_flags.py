@@ -37,7 +37,7 @@ from ..patching.patches import (
     moved_global_probe,
     per_thread_class,
 )
-from ..patching.source import Edit, ShapeError, definitions, parse, replace_node, segment
+from ..patching.source import Edit, ShapeError, definition, definitions, find_replaced, parse, replace_node, segment
 
 LOCAL_MAP = "torch._higher_order_ops.local_map"
 FLAG, HOLDER = "_DEFER_INLINING", "_defer_inlining_tls"
@@ -57,17 +57,15 @@ class _DeferPerThread(ThreadLocalGlobals):
         return super().describe() + f"; {BACKWARD} calls local_map_hop inside defer_inlining() (any thread)"
 
     def edits(self, source: str) -> list[Edit]:
-        backward = definitions(source).get(BACKWARD)
-        if backward is None:
-            raise ShapeError(f"{self.relpath}: no {BACKWARD}")
-        calls = [
-            node
-            for node in ast.walk(backward)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "local_map_hop"
-        ]
-        if len(calls) != 1:
-            raise ShapeError(f"{self.relpath}: expected one call of local_map_hop in {BACKWARD}")
-        return [*super().edits(source), replace_node(calls[0].func, DEFERRED_CALL)]
+        (call,) = find_replaced(
+            self.relpath,
+            definition(source, self.relpath, BACKWARD),
+            f"call of local_map_hop in {BACKWARD}",
+            lambda node: (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "local_map_hop"
+            ),
+        )
+        return [*super().edits(source), replace_node(call.func, DEFERRED_CALL)]
 
     def helpers(self) -> dict[str, object]:
         module = importlib.import_module(self.module_name)

@@ -71,7 +71,7 @@ class _PerContextActive(ThreadLocalGlobals):
             and node.targets[0].id == FLAG
             and isinstance(node.value, ast.Constant)
         }
-        reads = _names(nested_function(hooks, ["unpack_hook"]), FLAG)
+        reads = _names(nested_function(self.relpath, hooks, ["unpack_hook"]), FLAG)
         if sorted(stores.values()) != [False, True] or len(reads) != 1:
             raise ShapeError(
                 f"{self.relpath}: expected one read of {FLAG} in unpack_hook, a True and a False in {CONTEXT}"

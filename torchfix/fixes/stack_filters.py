@@ -29,7 +29,7 @@ import types
 from .._fix import Fix, Scenario, releases
 from ..doctor.scenarios import Result, torch_module
 from ..patching.patches import SourcePatch
-from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
+from ..patching.source import Edit, definitions, find_replaced, replace_node, segment
 
 GUARDS = "torch._dynamo.guards"
 SHAPES = "torch.fx.experimental.symbolic_shapes"
@@ -55,17 +55,17 @@ class _TorchfixFilesUninteresting(SourcePatch):
         return super().describe() + f"; adds {FILES} (torchfix's files) to {FUNCTION}()"
 
     def edits(self, source: str) -> list[Edit]:
-        function = definitions(source).get(FUNCTION)
-        returns = [
-            node.value
-            for node in (ast.walk(function) if function is not None else ())
-            if isinstance(node, ast.Return)
-            and node.value is not None
-            and segment(source, node.value) == SET_OF_MODULE_FILES
-        ]
-        if len(returns) != 1:
-            raise ShapeError(f"{self.relpath}: expected {FUNCTION}() to return {SET_OF_MODULE_FILES}")
-        return [replace_node(returns[0], f"{SET_OF_MODULE_FILES} | {FILES}")]
+        (returned,) = find_replaced(
+            self.relpath,
+            definitions(source).get(FUNCTION),
+            f"`return {SET_OF_MODULE_FILES}` in {FUNCTION}()",
+            lambda node: (
+                isinstance(node, ast.Return)
+                and node.value is not None
+                and segment(source, node.value) == SET_OF_MODULE_FILES
+            ),
+        )
+        return [replace_node(returned.value, f"{SET_OF_MODULE_FILES} | {FILES}")]
 
     def helpers(self) -> dict[str, object]:
         return {FILES: torchfix_files()}

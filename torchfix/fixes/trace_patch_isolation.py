@@ -35,7 +35,7 @@ from .._fix import Fix, Scenario, releases
 from ..doctor.scenarios import MODULE_GRAPH, HeldTrace, Result, graph_ops, module_around
 from ..patching.patches import ThreadLocalGlobals
 from ..patching.slots import ThreadPatches, skip_in_dynamo_when_imported
-from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
+from ..patching.source import Edit, ShapeError, definitions, find_replaced, replace_node, segment
 
 MODULE = "torch.fx._symbolic_trace"
 HELPER = "_thread_patches"
@@ -99,8 +99,7 @@ class _IsolationPatch(ThreadLocalGlobals):
             return replace_node(stmt, f"{HELPER}.unset({owner}, {name})")
         return replace_node(stmt, f"{HELPER}.set({owner}, {name}, {value})")
 
-    @staticmethod
-    def _read_edits(source: str, functions: dict[str, ast.FunctionDef]) -> list[Edit]:
+    def _read_edits(self, source: str, functions: dict[str, ast.FunctionDef]) -> list[Edit]:
         """The tracer's reads of patched names: through the calling thread's view."""
         edits = []
         readers = ("_Patcher.patch", "_Patcher.patch_method", "_patch_wrapped_functions", "_create_wrapped_method")
@@ -122,14 +121,13 @@ class _IsolationPatch(ThreadLocalGlobals):
                     and name.id == "name"
                 ):
                     edits.append(replace_node(node, f"{HELPER}.current({owner.id}, name)"))
-        items = [
-            node
-            for node in ast.walk(functions["_autowrap_check"])
-            if isinstance(node, ast.Call) and segment(source, node) == "frame_dict.items()"
-        ]
-        if len(items) != 1:
-            raise ShapeError("_autowrap_check: expected one frame_dict.items()")
-        return edits + [replace_node(items[0], f"{HELPER}.items(frame_dict)")]
+        (items,) = find_replaced(
+            self.relpath,
+            functions["_autowrap_check"],
+            "frame_dict.items() in _autowrap_check",
+            lambda node: isinstance(node, ast.Call) and segment(source, node) == "frame_dict.items()",
+        )
+        return edits + [replace_node(items, f"{HELPER}.items(frame_dict)")]
 
     def helpers(self) -> dict[str, object]:
         return {HELPER: ThreadPatches()}

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 import wrapt
 
 from .patches import SourcePatch, source_without_import
-from .source import Edit, ShapeError, definitions, parse, replace_node, segment
+from .source import Edit, ShapeError, definitions, find_replaced, parse, replace_node, segment
 from .stash import ThreadSpaces
 
 _ABSENT = object()
@@ -215,11 +215,13 @@ class SlotPatches(SourcePatch):
         found = definitions(source).get(self.function)
         if found is not None:
             return found
-        nested = [node for node in ast.walk(parse(source)) if isinstance(node, ast.FunctionDef)]
-        nested = [node for node in nested if node.name == self.function]
-        if len(nested) != 1:
-            raise ShapeError(f"{self.relpath}: expected one {self.function}, found {len(nested)}")
-        return nested[0]
+        (nested,) = find_replaced(
+            self.relpath,
+            parse(source),
+            f"function {self.function}",
+            lambda node: isinstance(node, ast.FunctionDef) and node.name == self.function,
+        )
+        return nested
 
     @staticmethod
     def _use(source: str, node: ast.AST) -> tuple[str, str, ast.expr | None] | None:
