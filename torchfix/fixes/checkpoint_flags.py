@@ -105,4 +105,5 @@ FIX = moved_globals_fix(
         "`set_checkpoint_debug_enabled(True)` entered in one thread no longer applies to checkpoints that other "
         "threads run meanwhile; enter it in each thread that needs it."
     ),
+    seen_in_backward=True,
 )

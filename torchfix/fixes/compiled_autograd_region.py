@@ -51,7 +51,7 @@ def _clear_compiled_graphs() -> None:
 
 class _RegionPerThread(ThreadLocalGlobals):
     def __init__(self) -> None:
-        super().__init__(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, {NAME: "in_region"})
+        super().__init__(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, {NAME: "in_region"}, seen_in_backward=True)
 
     def describe(self) -> str:
         return (

@@ -58,7 +58,7 @@ _WRITERS = (
 def _patches(_torch_version: str) -> list:
     newer = frozenset(FLAGS) - {"_is_compiling_flag"}
     return [
-        ThreadLocalGlobals(MODULE, "torch/compiler/__init__.py", HOLDER, FLAGS, optional=newer),
+        ThreadLocalGlobals(MODULE, "torch/compiler/__init__.py", HOLDER, FLAGS, optional=newer, seen_in_backward=True),
         *(AttributeUses(module, relpath, MODULE, HOLDER, FLAGS) for module, relpath in _WRITERS),
     ]
 

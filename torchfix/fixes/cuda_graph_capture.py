@@ -27,7 +27,7 @@ import weakref
 
 from .._fix import Fix, Scenario, releases
 from ..doctor.scenarios import Result
-from ..patching.patches import SourcePatch
+from ..patching.patches import SourcePatch, per_thread_class
 from ..patching.source import Edit, ShapeError, definitions, find_replaced, replace_node, segment
 
 MODULE = "torch.cuda.graphs"
@@ -36,12 +36,8 @@ STREAM = "_torchfix_capture_stream"
 CAPTURES = "_torchfix_captures"
 
 
-class _ThreadStreams(threading.local):
-    def __init__(self) -> None:
-        self.by_device: dict[int, object] = {}
-
-
-_streams = _ThreadStreams()
+# A capture runs in its thread, never in a backward: the device thread needs no stream of another thread's.
+_streams = per_thread_class("_ThreadStreams", {}, {"by_device": dict}, seen_in_backward=False)()
 
 
 def _capture_stream() -> object:

@@ -34,7 +34,7 @@ import threading
 
 from .._fix import Fix, Scenario, releases
 from ..doctor.scenarios import Result, compiled_add_one
-from ..patching.patches import PerThreadName, SourcePatch
+from ..patching.patches import PerThreadName, SourcePatch, per_thread_class
 from ..patching.source import Edit, ShapeError, parse, replace_node, segment
 from ..patching.stash import stash_until_thread_end
 
@@ -71,11 +71,9 @@ BY_TORCH = Steps()
 UNCOUNTED = Steps()  # every thread's until its first CUDA graph: increments no tree reads
 
 
-class ThreadSteps(threading.local):
-    steps = UNCOUNTED  # a class default, so the increment needs no call in any thread
-
-
-THREAD_STEPS = ThreadSteps()
+# A class default, so the increment needs no call in any thread; the device thread reaches a thread's Steps through
+# the stash (steps_of_this_work), not through this.
+THREAD_STEPS = per_thread_class("ThreadSteps", {"steps": UNCOUNTED}, {}, seen_in_backward=False)()
 
 
 def steps_of_this_work() -> Steps:

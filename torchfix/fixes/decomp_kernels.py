@@ -121,7 +121,7 @@ class DecompKernels:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._threads = ThreadSpaces("decomp-kernels")
+        self._threads = ThreadSpaces("decomp-kernels", seen_in_backward=True)
         self._real: dict[object, tuple[dict, dict]] = {}  # op -> its own py_kernels and _dispatch_cache, set aside
         self._inside: dict[object, int] = {}  # op -> the overrides of it under way, in all threads
 

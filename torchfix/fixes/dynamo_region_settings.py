@@ -168,4 +168,5 @@ FIX = moved_globals_fix(
         "their code, for good: torch 2.14.1)"
     ),
     releases_note='no such settings before 2.9: "not needed"; `override_cudagraphs` acts at run time from 2.14',
+    seen_in_backward=True,
 )

@@ -65,7 +65,11 @@ def _patches(_torch_version: str) -> list[ThreadLocalGlobals]:
     builder_moved, builder_optional = _builder_names()
     return [
         ThreadLocalGlobals(
-            CONVERT_FRAME, "torch/_dynamo/convert_frame.py", HOLDER, {"initial_global_state": "initial_global_state"}
+            CONVERT_FRAME,
+            "torch/_dynamo/convert_frame.py",
+            HOLDER,
+            {"initial_global_state": "initial_global_state"},
+            seen_in_backward=True,
         ),
         ThreadLocalGlobals(
             TRACE_RULES,
@@ -73,9 +77,15 @@ def _patches(_torch_version: str) -> list[ThreadLocalGlobals]:
             HOLDER,
             {"_force_inline_flag": "force_inline"},
             optional=frozenset({"_force_inline_flag"}),
+            seen_in_backward=True,
         ),
         ThreadLocalGlobals(
-            BUILDER, "torch/_dynamo/variables/builder.py", HOLDER, builder_moved, optional=builder_optional
+            BUILDER,
+            "torch/_dynamo/variables/builder.py",
+            HOLDER,
+            builder_moved,
+            optional=builder_optional,
+            seen_in_backward=True,
         ),
     ]
 

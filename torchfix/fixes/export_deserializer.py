@@ -97,4 +97,5 @@ FIX = moved_globals_fix(
         "(torch 2.13: 20 of 40 loads of two threads)"
     ),
     releases_note='before 2.3: "not needed"',
+    seen_in_backward=True,
 )

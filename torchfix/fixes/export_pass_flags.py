@@ -34,7 +34,7 @@ ASSERTS, INTERPRETER = "_DISABLE_ATEN_TO_ASSERTION_PASS", "RUN_WITH_INTERPRETER"
 
 
 def _per_thread(module: str, holder: str, moved: dict[str, str]) -> ThreadLocalGlobals:
-    return ThreadLocalGlobals(module, module.replace(".", "/") + ".py", holder, moved)
+    return ThreadLocalGlobals(module, module.replace(".", "/") + ".py", holder, moved, seen_in_backward=True)
 
 
 def _patches(torch_version: str) -> list[ThreadLocalGlobals]:

@@ -73,4 +73,5 @@ FIX = moved_globals_fix(
         "call graph from the other module"
     ),
     releases_note='before 2.3: "not needed"',
+    seen_in_backward=True,
 )

@@ -104,6 +104,7 @@ FIX = Fix(
             _module(torch_version).replace(".", "/") + ".py",
             HOLDER,
             {GETTER: "ctx_getter"},
+            seen_in_backward=True,
         )
     ],
     scenarios=(

@@ -27,17 +27,18 @@ from collections.abc import Callable, Iterator
 
 from .._fix import Fix, Scenario, releases
 from ..doctor.scenarios import Result, hold, line_of, started_thread, stopping
-from ..patching.patches import SourcePatch
+from ..patching.patches import SourcePatch, per_thread_class
 from ..patching.source import Edit, ShapeError, definition, find_replaced, iter_code, replace_node, segment
 
 HELPER = "_torchfix_codegen_names"
 
 
-class CodegenNames(threading.local):
-    """The graph whose code this thread is writing, and the naming function of that ``python_code`` call."""
+class CodegenNames(per_thread_class("CodegenNames", {"graph": None, "node_repr": None}, {}, seen_in_backward=False)):
+    """The graph whose code this thread is writing, and the naming function of that ``python_code`` call (a
+    graph's code is written in the thread that calls ``python_code``, never in a backward)."""
 
-    graph: object = None
-    node_repr: Callable[[object], str] | None = None
+    graph: object
+    node_repr: Callable[[object], str] | None
 
     @contextlib.contextmanager
     def naming(self, graph: object, node_repr: Callable[[object], str]) -> Iterator[None]:

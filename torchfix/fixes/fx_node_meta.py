@@ -114,6 +114,7 @@ FIX = Fix(
             HOLDER,
             GLOBALS,
             optional=frozenset({"current_replay_node", "_should_preserve_node_meta"}),
+            seen_in_backward=True,
         ),
         # torch 2.13+: flex attention's autograd forward reads the sparsity hint from a by-name import.
         ImportedNameUses(

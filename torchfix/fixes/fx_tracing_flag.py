@@ -65,7 +65,7 @@ _ACCESSORS = ("_get_is_fx_tracing", "_set_is_fx_tracing", "_is_fx_tracing_contex
 
 class _FlagPatch(ThreadLocalGlobals):
     def __init__(self) -> None:
-        super().__init__(MODULE, "torch/fx/_symbolic_trace.py", HOLDER, {FLAG: "flag"})
+        super().__init__(MODULE, "torch/fx/_symbolic_trace.py", HOLDER, {FLAG: "flag"}, seen_in_backward=True)
         self._added: list[str] = []
 
     def describe(self) -> str:

@@ -46,7 +46,11 @@ def _patches(torch_version: str) -> list[SourcePatch]:
     patcher = "wrap_convert_context" if minor_release(torch_version) < (2, 2) else "preserve_global_state"
     patches: list[SourcePatch] = [SlotPatches(CONVERT_FRAME, patcher, "torch.fx.graph_module", "_forward_from_src", 1)]
     if minor_release(torch_version) >= (2, 3):  # lazy graph modules from 2.3
-        patches.append(ThreadLocalGlobals(LAZY, "torch/fx/_lazy_graph_module.py", "_lazy_graph_module_tls", FLAGS))
+        patches.append(
+            ThreadLocalGlobals(
+                LAZY, "torch/fx/_lazy_graph_module.py", "_lazy_graph_module_tls", FLAGS, seen_in_backward=True
+            )
+        )
     return patches
 
 

@@ -61,7 +61,7 @@ class _SideTables(ThreadLocalGlobals):
     thread's entries), which the modules that imported them by name still hold."""
 
     def __init__(self) -> None:
-        super().__init__(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, TABLES)
+        super().__init__(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, TABLES, seen_in_backward=True)
         self._originals: dict[str, list | dict] = {}
 
     def describe(self) -> str:

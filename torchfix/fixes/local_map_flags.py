@@ -51,7 +51,9 @@ class _DeferPerThread(ThreadLocalGlobals):
     """``_DEFER_INLINING`` per thread, and ``LocalMapAutogradOp.backward``'s call of local_map deferred."""
 
     def __init__(self) -> None:
-        super().__init__(LOCAL_MAP, LOCAL_MAP.replace(".", "/") + ".py", HOLDER, {FLAG: "deferred"})
+        super().__init__(
+            LOCAL_MAP, LOCAL_MAP.replace(".", "/") + ".py", HOLDER, {FLAG: "deferred"}, seen_in_backward=True
+        )
 
     def describe(self) -> str:
         return super().describe() + f"; {BACKWARD} calls local_map_hop inside defer_inlining() (any thread)"
@@ -97,7 +99,7 @@ class _WrappingPerThread(SourcePatch):
         return [replace_node(node, f"{SWITCH}.enabled") for node in uses]
 
     def helpers(self) -> dict[str, object]:
-        return {SWITCH: per_thread_class(SWITCH, {"enabled": False}, {})()}
+        return {SWITCH: per_thread_class(SWITCH, {"enabled": False}, {}, seen_in_backward=True)()}
 
     def per_thread_names(self) -> list[PerThreadName]:
         return [

@@ -92,4 +92,5 @@ FIX = moved_globals_fix(
         "into the other graph), and a finished tracer is left behind for every later higher-order op"
     ),
     releases_note='before 2.4: "not needed"',
+    seen_in_backward=True,
 )

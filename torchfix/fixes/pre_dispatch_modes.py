@@ -80,4 +80,5 @@ FIX = moved_globals_fix(
         'before 2.3: "not needed"; `torch.export.export` traces pre-dispatch from 2.4, on 2.3 only '
         "`make_fx(pre_dispatch=True)` uses the stack"
     ),
+    seen_in_backward=True,
 )

@@ -47,7 +47,7 @@ class _PerContextActive(ThreadLocalGlobals):
     """The flag per thread, and the unpack hook reading its own context's ``active`` instead."""
 
     def __init__(self) -> None:
-        super().__init__(MODULE, RELPATH, HOLDER, {FLAG: ATTR})
+        super().__init__(MODULE, RELPATH, HOLDER, {FLAG: ATTR}, seen_in_backward=True)
 
     def describe(self) -> str:
         return (

@@ -67,7 +67,8 @@ class _IsolationPatch(ThreadLocalGlobals):
             "torch/fx/_symbolic_trace.py",
             "_current_patcher_tls",
             {"CURRENT_PATCHER": "patcher"},
-            optional=frozenset({"CURRENT_PATCHER"}),  # 2.5+
+            optional=frozenset({"CURRENT_PATCHER"}),  # 2.5+,
+            seen_in_backward=True,
         )
 
     def describe(self) -> str:

@@ -87,7 +87,7 @@ class ThreadPatches:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._slots: dict[tuple[int, str], _Slot] = {}
-        self._spaces = ThreadSpaces("thread-patches")  # autograd's device thread runs a backward with its thread's
+        self._spaces = ThreadSpaces("thread-patches", seen_in_backward=True)  # a backward runs with its thread's
 
     def _stack(self, key: tuple[int, str]) -> list[Callable]:
         space = self._spaces.make()
