@@ -7,7 +7,7 @@ which from 2.6 unions it). A few of torchfix's functions stand between torch's c
 per-thread dispatcher of ``trace-patch-isolation`` in ``nn.Module.__call__`` while a thread traces, the lock
 around ``torch.export.save``'s pickling. torch does not know their file, so a stack trace recorded through them
 showed one frame of torchfix: ``symbolic_trace`` with ``record_stack_traces`` gave every node under a submodule
-call a ``torchfix/fixes/_thread_patches.py ... in dispatch`` line (torch 2.13, one thread).
+call a ``torchfix/patching/slots.py ... in dispatch`` line (torch 2.13, one thread).
 
 The edit adds torchfix's own files to the set ``torch._dynamo.guards.uninteresting_files()`` returns, so every
 filter built on it drops them as it drops torch's; torch 2.1 - 2.5, whose FX set does not union Dynamo's yet, get
@@ -155,7 +155,7 @@ FIX = Fix(
     ),
     symptom=(
         "in one thread, with torchfix: `symbolic_trace` with `record_stack_traces` gives every node under a "
-        "submodule call a `torchfix/fixes/_thread_patches.py ... in dispatch` line in its `stack_trace` (torch 2.13: "
+        "submodule call a `torchfix/patching/slots.py ... in dispatch` line in its `stack_trace` (torch 2.13: "
         "2 of 7 nodes of a two-module trace)"
     ),
     releases_note='before 2.1 no such set: "not needed"',
