@@ -82,7 +82,7 @@ class Scenario:
 
 
 class Patch(Protocol):
-    """What every patch does: source patches (``_patch``) and default changes (``_defaults``)."""
+    """What every patch does: source patches (``patching.patches``) and default changes (``patching.defaults``)."""
 
     module_name: str
     patched: bool  # after apply(): whether it changed anything (some have nothing to do in some releases)
@@ -99,7 +99,7 @@ class Patch(Protocol):
     # or a file the release lacks); raises ShapeError where the source is not the expected shape.
     def diff(self, read_source: Callable[[str], str]) -> str: ...
 
-    # The names of torch's it makes per thread (``_patch.PerThreadName``), for the tests that check them.
+    # The names of torch's it makes per thread (``patching.patches.PerThreadName``), for the tests that check them.
     def per_thread_names(self) -> list: ...
 
 

@@ -15,7 +15,7 @@ by ``python -m torchfix watch`` (torch 2.13: ``torch.cuda.set_rng_state`` held `
 while another thread compiled).
 
 The edit turns each ``patch("torch.cuda.X", fn)`` into ``_torchfix_rng_patches.patched(vars(torch.cuda), "X",
-fn)``, a per-thread patch of ``fixes/_thread_patches.py``: the compiling thread sees torch's stand-in, every other
+fn)``, a per-thread patch of ``patching/slots.py``: the compiling thread sees torch's stand-in, every other
 thread torch's function.
 """
 

@@ -14,7 +14,7 @@ gets the tracer's hooks; with compiler-flags, which makes that flag per-thread, 
 on torch 2.13). Two threads inside the contexts at once can also restore each other's wrapper out of order and
 leave it in place for good. Nothing in torch itself enters them; still so in 2.15.
 
-The writes go through ``torch.compiler._thread_patches``, a ``ThreadPatches`` (``fixes/_thread_patches.py``, the
+The writes go through ``torch.compiler._thread_patches``, a ``ThreadPatches`` (``patching/slots.py``, the
 per-thread dispatcher of trace-patch-isolation): the patched names hold a dispatcher while any thread is inside a
 context, which calls the calling thread's wrapper, or torch's own function in every other thread. The read of
 the function to wrap becomes the calling thread's view (``ThreadPatches.current``), never another thread's wrapper

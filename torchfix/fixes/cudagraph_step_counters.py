@@ -14,7 +14,7 @@ for all threads too.
 The class attributes stay the process's counters, which torch's own code goes on changing as before and
 which code outside the trees reads and writes (torch's tests write ``GenerationTracker.generation -= 1`` to
 stay in one generation). Each statement of torch's that changes one also changes it in two ``Steps``: the
-calling thread's own (kept in the C++ thread-local stash until the thread ends, ``_thread_stash``, as torch
+calling thread's own (kept in the C++ thread-local stash until the thread ends, ``patching.stash``, as torch
 keeps the tree containers, so that autograd's device thread running a thread's backward reads that thread's
 counters) and ``BY_TORCH``, the sum of all of torch's changes. A tree reads its thread's own counter plus
 what else changed the class attribute (the attribute less ``BY_TORCH``): in one thread that is the class

@@ -19,7 +19,7 @@ On torch 2.1 - 2.12 this backports the first two parts of upstream's fix (pytorc
   switch would invalidate another thread's capture. Replays are not serialised.
 
 On every release, 2.13 - 2.15 included (whose ``_initialize_tls`` is upstream's), the thread's stash
-entries are taken out when the thread ends (``_thread_stash``): left in, C++ thread-exit code tears the
+entries are taken out when the thread ends (``patching.stash``): left in, C++ thread-exit code tears the
 trees down after Python let the thread go. What upstream still shares between threads is in
 ``cudagraph-tree-callable`` and ``cudagraph-step-counters``.
 """

@@ -20,7 +20,7 @@ and can leave the skipping function in place for the process: every GraphModule 
 under ``torch.compile`` (reproduced on 2.13 and 2.15 with an ``aot_compile``).
 
 The attribute's writes become per-thread patches (``convert_frame._thread_patches``, a ``ThreadPatches`` of
-``fixes/_thread_patches.py``): while a thread compiles, ``_forward_from_src`` holds a dispatcher that gives that
+``patching/slots.py``): while a thread compiles, ``_forward_from_src`` holds a dispatcher that gives that
 thread the skipping function and every other thread torch's own. The two flags move to per-thread storage
 (``_lazy_graph_module._lazy_graph_module_tls``) with :class:`ThreadLocalGlobals`. Compiled calls read neither.
 Not covered (2.0 - 2.1, where ``torch.compile`` itself calls ``wrap_convert_context``): a ``torch.compile`` made

@@ -17,7 +17,7 @@ originals back at their end:
   and two traces that overlap restore out of order: the second wraps the first one's wrappers and finally puts
   those back, so ``torch.zeros`` and the rest stay the first tracer's wrappers for the process.
 
-The writes go through a ``ThreadPatches`` in each module (``_thread_patches``; ``fixes/_thread_patches.py``, the
+The writes go through a ``ThreadPatches`` in each module (``_thread_patches``; ``patching/slots.py``, the
 per-thread dispatcher of trace-patch-isolation): each thread patches for itself, other threads run the originals,
 and the last thread to leave restores them; the meta tracer's read of the function to wrap is the calling thread's
 view. ``enable_torchbind_tracing()`` also appends ``torch.ScriptObject`` to AOTAutograd's ``KNOWN_TYPES`` and pops

@@ -12,7 +12,7 @@ traces trip "AssertionError: CURRENT_PATCHER is None in finally block" or revert
 up to 2.15 (upstream pytorch/pytorch#187589 is not in a release yet).
 
 The fix routes every patch through ``_thread_patches``, a per-slot dispatcher (``ThreadPatches`` of
-``fixes/_thread_patches.py``, shared with autograd-entry-patches: a slot is one name in one class or module dict;
+``patching/slots.py``, shared with autograd-entry-patches: a slot is one name in one class or module dict;
 other threads run the originals, and the last thread to revert restores them):
 
 * the tracer's own reads of a slot (the deduplication check, the original it wraps, the autowrap scan)

@@ -115,7 +115,7 @@ class SourcePatch:
         return unified_diff(self.relpath, source, apply_edits(source, self.edits(source)))
 
     def cached_edits(self, source: str) -> list[Edit]:
-        """``edits(source)``, kept between processes (``_cache``): edits are a function of the file's text and
+        """``edits(source)``, kept between processes (``cache``): edits are a function of the file's text and
         of the patch's settings alone, which the key holds. A patch whose settings have no stable text
         (an object's default repr) is not cached."""
         settings = repr(sorted((k, _stable(v)) for k, v in vars(self).items() if not k.startswith("_")))
@@ -218,7 +218,7 @@ class _Default:
 def _module_level_defaults(source: str, names: set[str]) -> dict[str, _Default]:
     """The defaults of ``names``, from their module-level assignments.
 
-    Kept between processes (``_cache``) as where those assignments are in the file (offsets: data, never code),
+    Kept between processes (``cache``) as where those assignments are in the file (offsets: data, never code),
     so a warm start parses those lines alone, of torch's own file, as a cold one does. An entry that points at
     anything but whole lines, or whose lines do not assign the names, raises (and is rebuilt)."""
     spans = cached("defaults", (digest(source), repr(sorted(names))), lambda: _assignment_spans(source, names))

@@ -148,7 +148,7 @@ class ThreadSpaces:
     (the device thread then sees no namespace).
 
     A read of the stash costs about 70 ns, a ``threading.local`` attribute about 30 ns: the per-thread holders read
-    here only while some thread holds a value of its own (see ``_patch.per_thread_class``).
+    here only while some thread holds a value of its own (see ``patches.per_thread_class``).
     """
 
     _keys = itertools.count()  # a key per instance, never reused: a namespace left from an uninstalled one stays apart
