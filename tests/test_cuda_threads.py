@@ -101,7 +101,7 @@ print(json.dumps({"seen": seen, "nodes": len(nodes), "with_seq_nr": sum("seq_nr"
 
 @pytest.mark.skipif(
     not hasattr(torch._C, "_remove_obj_from_tls"),
-    reason="per-thread state is in torch's stash from 2.13 only (torchfix/_thread_stash.py: ThreadSpaces)",
+    reason="per-thread state is in torch's stash from 2.13 only (torchfix/patching/stash.py: ThreadSpaces)",
 )
 def test_a_backward_traced_on_the_device_thread_sees_the_tracing_threads_state():
     runs = {}

@@ -1,4 +1,4 @@
-"""The cache of what ``import torchfix`` computes from torch's files (``torchfix._cache``): a warm start
+"""The cache of what ``import torchfix`` computes from torch's files (``torchfix.patching.cache``): a warm start
 patches exactly as a cold one, and a bad entry or an unsafe directory is never trusted."""
 
 import ast
@@ -19,7 +19,7 @@ PROBE = """
 import hashlib, json, types
 import torch, torchfix
 from torchfix.__main__ import _load_triggers
-from torchfix._source import PatchedFile, iter_code
+from torchfix.patching.source import PatchedFile, iter_code
 
 _load_triggers()  # the fixes waiting for Dynamo or Inductor (where this torch has them)
 
@@ -81,7 +81,7 @@ def test_corrupted_entries_are_rebuilt_not_trusted(tmp_path):
 
 @release_independent
 def test_an_entry_is_used_only_for_its_own_key(tmp_path, monkeypatch):
-    from torchfix import _cache
+    from torchfix.patching import cache as _cache
 
     monkeypatch.setenv("TORCHFIX_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHFIX_CACHE", raising=False)
@@ -139,7 +139,7 @@ LOOKUP = """
 import json, os, sys, warnings
 os.chdir(sys.argv[1])
 warnings.simplefilter("always")
-from torchfix import _cache
+from torchfix.patching import cache as _cache
 {before}
 print(json.dumps(_cache.cached("test", ("a",), lambda: "computed")))
 """

@@ -15,8 +15,8 @@ folder = pathlib.Path(tempfile.mkdtemp())
 (folder / "stacked.py").write_text("def pair():\\n    return ('first', 'second')\\n\\ndef other():\\n    return 1\\n")
 sys.path.insert(0, str(folder))
 import stacked
-from torchfix._patch import SourcePatch
-from torchfix._source import parse, replace_node
+from torchfix.patching.patches import SourcePatch
+from torchfix.patching.source import parse, replace_node
 
 class Replace(SourcePatch):
     def __init__(self, function, index, text):
@@ -135,8 +135,8 @@ def work(x):
 ''')
 sys.path.insert(0, str(folder))
 import decorated
-from torchfix._patch import SourcePatch
-from torchfix._source import parse, replace_node
+from torchfix.patching.patches import SourcePatch
+from torchfix.patching.source import parse, replace_node
 import ast
 
 class Edit(SourcePatch):

@@ -6,12 +6,12 @@ import pytest
 from conftest import HAS_H1, HAS_H4, TORCH_VERSION, run_ok, run_python
 
 from torchfix import fixes
-from torchfix._watch import DECLARED, Watcher
+from torchfix.doctor.watch import DECLARED, Watcher
 
 WATCHED = """
 import json, threading
 import torchfix, torch
-from torchfix._watch import Watcher
+from torchfix.doctor.watch import Watcher
 
 inside_trace, inside_sdpa, done = threading.Event(), threading.Event(), threading.Event()
 
@@ -66,7 +66,7 @@ def test_watch_runs_a_program_and_prints_what_changed(tmp_path):
 
 REINSTALLED = """
 import json, torchfix, torch, torch._dynamo, torch.export
-from torchfix._watch import Watcher
+from torchfix.doctor.watch import Watcher
 torchfix.uninstall()  # torch's globals back in its modules, where the watcher finds them before a fix moves them
 watcher = Watcher().start(background=False)
 torchfix.install()  # the fixes move them to per-thread storage (and serve module.NAME) while it watches
@@ -95,7 +95,7 @@ import json, threading
 import torchfix, torch
 import torch._dynamo  # the mode stack manager is watched from the start
 from torch.utils._python_dispatch import TorchDispatchMode
-from torchfix._watch import Watcher
+from torchfix.doctor.watch import Watcher
 
 held, release = [], threading.Event()
 

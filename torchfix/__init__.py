@@ -14,9 +14,10 @@ and reports what one thread changed where the others could see it: ``python -m t
 
 import contextlib
 
-from ._config import propagate_config
+from ._errors import TorchfixError, TorchfixWarning
 from ._fix import FixStatus, State
-from ._install import TorchfixError, TorchfixWarning, install, status, uninstall
+from ._install import install, status, uninstall
+from .patching.config import propagate_config
 
 __all__ = [
     "FixStatus",
@@ -34,8 +35,8 @@ __version__ = "0.1.0"
 
 def watch(interval: float = 0.02) -> contextlib.AbstractContextManager:
     """Watch torch's shared process state while the block runs: ``with torchfix.watch() as w: ...``, then
-    ``w.report()``. See :mod:`torchfix._watch`."""
-    from ._watch import watch as _watch
+    ``w.report()``. See :mod:`torchfix.doctor.watch`."""
+    from .doctor.watch import watch as _watch
 
     return _watch(interval)
 

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torchfix
 
-from . import _stress, fixes
-from ._config import config_is_per_thread
+from . import fixes
 from ._fix import Fix, State
 from ._install import module_file_exists
-from ._source import ShapeError
+from .doctor import stress
+from .patching.config import config_is_per_thread
+from .patching.source import ShapeError
 
 PTH_NAME = "torchfix-autoload.pth"
 
@@ -37,7 +38,7 @@ def _load_triggers() -> None:
 def doctor(selftest: bool) -> int:
     import torch
 
-    from . import _selftest
+    from .doctor import selftest
 
     _load_triggers()
 
@@ -60,7 +61,7 @@ def doctor(selftest: bool) -> int:
         print("        configuring, to make those settings the process's")
     if selftest:
         print("\nself-test (the hazards, forced with events in live threads):")
-        for result in _selftest.run_all(timeout=60.0):
+        for result in selftest.run_all(timeout=60.0):
             problems += result.hazard
             print(f"  {'FAIL' if result.hazard else 'pass'}  {result.scenario}: {result.detail[:160]}")
     print(f"\n{'OK' if not problems else f'{problems} problem(s)'}")
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     stress_parser = commands.add_parser(
         "stress", help="randomized soak: threads tracing, compiling and exporting at once, torchfix on and off"
     )
-    _stress.add_arguments(stress_parser)
+    stress.add_arguments(stress_parser)
     pth_parser = commands.add_parser("pth", help=f"install or remove {PTH_NAME} (torchfix in every interpreter)")
     pth_parser.add_argument("action", choices=["install", "remove"])
     pth_parser.add_argument("--site-dir", help="the site-packages to write to (default: this environment's)")
@@ -281,14 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         return run(args.target)
     if args.command == "watch":
-        from . import _watch
+        from .doctor import watch
 
         target = args.target[1:] if args.target[:1] == ["--"] else args.target
-        return _watch.main(target, args.interval, args.json)
+        return watch.main(target, args.interval, args.json)
     if args.command == "pth":
         return pth(args.action, args.site_dir)
     if args.command == "stress":
-        return _stress.main(args)
+        return stress.main(args)
     return doctor(selftest=not getattr(args, "no_selftest", False))
 
 

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ._cache import rebuilt_on_failure
+from .patching.cache import rebuilt_on_failure
 
 if TYPE_CHECKING:
-    from ._selftest import Result
+    from .doctor.scenarios import Result
 
 # The newest torch minor release every fix was checked against: a later one is "unsupported" until checked.
 NEWEST_CHECKED = "2.15"
@@ -53,8 +53,8 @@ class Scenario:
     """A forced interleaving of threads that shows one fix's hazard, declared by the fix.
 
     ``function`` lives in the fix's own module, beside the patches it tests (what several scenarios share is in
-    ``torchfix._selftest``). The doctor (``_selftest.run_all``) runs every fix's scenarios with the fixes on;
-    the hazard tests run each in a fresh interpreter twice, with torchfix and with its fix disabled
+    ``torchfix.doctor.scenarios``). The doctor (``doctor.selftest.run_all``) runs every fix's scenarios with the
+    fixes on; the hazard tests run each in a fresh interpreter twice, with torchfix and with its fix disabled
     (TORCHFIX_DISABLE), and assert that the hazard shows exactly where ``hazard`` says and only when disabled."""
 
     function: Callable[..., Result | None]  # takes ``*args, timeout=``; None where this torch lacks what it needs
@@ -82,7 +82,7 @@ class Scenario:
 
 
 class Patch(Protocol):
-    """What every patch does: source patches (``_patch``) and default changes (``_defaults``)."""
+    """What every patch does: source patches (``patching.patches``) and default changes (``patching.defaults``)."""
 
     module_name: str
     patched: bool  # after apply(): whether it changed anything (some have nothing to do in some releases)
@@ -99,7 +99,7 @@ class Patch(Protocol):
     # or a file the release lacks); raises ShapeError where the source is not the expected shape.
     def diff(self, read_source: Callable[[str], str]) -> str: ...
 
-    # The names of torch's it makes per thread (``_patch.PerThreadName``), for the tests that check them.
+    # The names of torch's it makes per thread (``patching.patches.PerThreadName``), for the tests that check them.
     def per_thread_names(self) -> list: ...
 
 

@@ -17,16 +17,8 @@ from collections.abc import Callable
 import wrapt
 
 from . import fixes
+from ._errors import TorchfixError, TorchfixWarning
 from ._fix import Fix, FixStatus, Patch, State, revert_all
-
-
-class TorchfixWarning(UserWarning):
-    """A fix could not be applied (torch was left untouched for it), or a setting was not understood."""
-
-
-class TorchfixError(RuntimeError):
-    """Raised instead of :class:`TorchfixWarning` when ``TORCHFIX_STRICT=1``."""
-
 
 _lock = threading.RLock()
 _statuses: dict[str, FixStatus] = {}

@@ -15,7 +15,7 @@ by ``python -m torchfix watch`` (torch 2.13: ``torch.cuda.set_rng_state`` held `
 while another thread compiled).
 
 The edit turns each ``patch("torch.cuda.X", fn)`` into ``_torchfix_rng_patches.patched(vars(torch.cuda), "X",
-fn)``, a per-thread patch of ``fixes/_thread_patches.py``: the compiling thread sees torch's stand-in, every other
+fn)``, a per-thread patch of ``patching/slots.py``: the compiling thread sees torch's stand-in, every other
 thread torch's function.
 """
 
@@ -28,10 +28,10 @@ import types
 from collections.abc import Callable
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch, source_without_import
-from .._selftest import Result, fresh, torch_module
-from .._source import Edit, ShapeError, parse, replace_node
-from ._thread_patches import ThreadPatches, skip_in_dynamo_when_imported
+from ..doctor.scenarios import Result, fresh, torch_module
+from ..patching.patches import SourcePatch, source_without_import
+from ..patching.slots import ThreadPatches, skip_in_dynamo_when_imported
+from ..patching.source import Edit, find_replaced, parse, replace_node
 
 AOT = "torch._functorch.aot_autograd"
 TRANSFORMS = "torch._functorch._aot_autograd.traced_function_transforms"  # functionalized RNG, 2.2 - 2.8
@@ -50,18 +50,25 @@ class _RngPatchesPerThread(SourcePatch):
 
     def edits(self, source: str) -> list[Edit]:
         edits = []
-        for node in ast.walk(parse(source)):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "patch"):
-                continue
-            target = node.args[0] if node.args else None
-            if isinstance(target, ast.Constant) and target.value in PATCHED:
-                module, name = target.value.rsplit(".", 1)
-                edits += [
-                    replace_node(node.func, f"{HELPER}.patched"),
-                    replace_node(target, f'vars({module}), "{name}"'),
-                ]
-        if not edits:
-            raise ShapeError(f"{self.relpath}: no patch() of {' or '.join(PATCHED)}")
+        for node in find_replaced(
+            self.relpath,
+            parse(source),
+            f"patch() of {' or '.join(PATCHED)}",
+            lambda node: (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "patch"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value in PATCHED
+            ),
+            count=None,
+        ):
+            module, name = node.args[0].value.rsplit(".", 1)
+            edits += [
+                replace_node(node.func, f"{HELPER}.patched"),
+                replace_node(node.args[0], f'vars({module}), "{name}"'),
+            ]
         return edits
 
     def helpers(self) -> dict[str, object]:

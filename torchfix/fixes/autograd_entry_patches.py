@@ -14,7 +14,7 @@ gets the tracer's hooks; with compiler-flags, which makes that flag per-thread, 
 on torch 2.13). Two threads inside the contexts at once can also restore each other's wrapper out of order and
 leave it in place for good. Nothing in torch itself enters them; still so in 2.15.
 
-The writes go through ``torch.compiler._thread_patches``, a ``ThreadPatches`` (``fixes/_thread_patches.py``, the
+The writes go through ``torch.compiler._thread_patches``, a ``ThreadPatches`` (``patching/slots.py``, the
 per-thread dispatcher of trace-patch-isolation): the patched names hold a dispatcher while any thread is inside a
 context, which calls the calling thread's wrapper, or torch's own function in every other thread. The read of
 the function to wrap becomes the calling thread's view (``ThreadPatches.current``), never another thread's wrapper
@@ -36,10 +36,10 @@ import types
 import warnings
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result
-from .._source import Edit, ShapeError, definitions, replace_node, segment
-from ._thread_patches import ThreadPatches, in_finally, skip_in_dynamo_when_imported
+from ..doctor.scenarios import Result
+from ..patching.patches import SourcePatch
+from ..patching.slots import ThreadPatches, in_finally, skip_in_dynamo_when_imported
+from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch.compiler"
 HELPER = "_thread_patches"

@@ -30,10 +30,10 @@ from __future__ import annotations
 import ast
 import importlib
 
-from .._defaults import ConfigDefault, KeywordDefault
 from .._fix import Fix, minor_release, releases
-from .._patch import SourcePatch
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..patching.defaults import ConfigDefault, KeywordDefault
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, definitions, find_replaced, replace_node, segment
 
 SWITCH = "force_non_lazy_backward_lowering"
 CONFIG = "torch._functorch.config"
@@ -66,16 +66,18 @@ class _EagerBackwardPath(SourcePatch):
 
     def edits(self, source: str) -> list[Edit]:
         function = definitions(source).get("aot_dispatch_autograd")
-        eager = [
-            (branch, call)
-            for branch in (ast.walk(function) if function is not None else ())
-            if isinstance(branch, ast.If) and segment(source, branch.test) == "num_symints_saved_for_bw > 0"
-            for call in ast.walk(branch)
-            if isinstance(call, ast.Call) and segment(source, call.func) == "aot_config.bw_compiler"
+        branches = [
+            node
+            for node in (ast.walk(function) if function is not None else ())
+            if isinstance(node, ast.If) and segment(source, node.test) == "num_symints_saved_for_bw > 0"
         ]
-        if len(eager) != 1:
-            raise ShapeError(f"{self.relpath}: expected one eager backward compile in aot_dispatch_autograd")
-        branch, compile_call = eager[0]
+        (compile_call,) = find_replaced(
+            self.relpath,
+            branches,
+            "eager backward compile in aot_dispatch_autograd",
+            lambda node: isinstance(node, ast.Call) and segment(source, node.func) == "aot_config.bw_compiler",
+        )
+        branch = next(b for b in branches if any(node is compile_call for node in ast.walk(b)))
         edits = [replace_node(branch.test, f"num_symints_saved_for_bw > 0 or {ALWAYS}")]
         if segment(source, compile_call.args[0]) == "bw_module":  # 2.6 - 2.7 compile the graph itself
             edits.append(replace_node(compile_call.args[0], f"{COPY}(bw_module)"))

@@ -18,9 +18,9 @@ import ast
 import importlib
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, in_thread
-from .._source import Edit, ShapeError, definitions, replace_node
+from ..doctor.scenarios import Result, in_thread
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definitions, replace_node
 
 MODULE = "torch._ops"
 FUNCTION, CACHE = "get_cached_ops", "cached_ops"

@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import Result, held_elsewhere
+from ..doctor.scenarios import Result, held_elsewhere
+from ..patching.patches import moved_globals_fix
 
 MODULE = "torch.utils.checkpoint"
 
@@ -105,4 +105,5 @@ FIX = moved_globals_fix(
         "`set_checkpoint_debug_enabled(True)` entered in one thread no longer applies to checkpoints that other "
         "threads run meanwhile; enter it in each thread that needs it."
     ),
+    seen_in_backward=True,
 )

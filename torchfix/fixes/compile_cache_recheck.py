@@ -41,9 +41,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, fresh_add_one
-from .._source import Edit, ShapeError, definitions, insert_at, replace_node, segment
+from ..doctor.scenarios import Result, fresh_add_one
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, definition, find_replaced, insert_at, replace_node, segment
 
 MODULE = "torch._dynamo.convert_frame"
 HELPER = "_compile_unless_cached"
@@ -148,25 +148,26 @@ class _RecheckPatch(SourcePatch):
         return super().describe() + f"; adds {HELPER}, which re-checks the cache before compiling"
 
     def edits(self, source: str) -> list[Edit]:
-        call = definitions(source).get("CatchErrorsWrapper.__call__")
-        if call is None:
-            raise ShapeError(f"{self.relpath}: no CatchErrorsWrapper.__call__")
-        compiles = [
-            node
+        call = definition(source, self.relpath, "CatchErrorsWrapper.__call__")
+        blocks = [
+            block
             for block in ast.walk(call)
             if isinstance(block, ast.With)
             and [segment(source, item.context_expr) for item in block.items]
             == ["compile_lock", "_disable_current_modes()"]
-            for node in ast.walk(block)
-            if isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in BACKEND_ATTRS
-            and segment(source, node.func.value) == "self"
-            and node.args
         ]
-        if len(compiles) != 1:
-            raise ShapeError(f"{self.relpath}: expected one backend call under compile_lock, found {len(compiles)}")
-        compile_call = compiles[0]
+        (compile_call,) = find_replaced(
+            self.relpath,
+            blocks,
+            "backend call under compile_lock",
+            lambda node: (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in BACKEND_ATTRS
+                and segment(source, node.func.value) == "self"
+                and node.args
+            ),
+        )
         attr, frame = compile_call.func.attr, segment(source, compile_call.args[0])
         # ``<call>`` becomes ``cached(...) or remember(..., <call>)``: torch's own call, in torch's own frame.
         return [

@@ -22,8 +22,8 @@ from __future__ import annotations
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result
+from ..doctor.scenarios import Result
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch._dynamo.eval_frame"
 HOLDER = "_stance_tls"
@@ -72,7 +72,7 @@ FIX = Fix(
     versions=releases("2.6"),
     probe=moved_global_probe(MODULE, HOLDER, "_stance", "this torch has no torch.compiler.set_stance (2.6+)"),
     patches=lambda _torch_version: [
-        ThreadLocalGlobals(MODULE, "torch/_dynamo/eval_frame.py", HOLDER, {"_stance": "stance"})
+        ThreadLocalGlobals(MODULE, "torch/_dynamo/eval_frame.py", HOLDER, {"_stance": "stance"}, seen_in_backward=True)
     ],
     trigger=MODULE,
     scenarios=(Scenario(stance_elsewhere, releases("2.6"), needs="torch.compiler.set_stance (2.6+)"),),

@@ -10,7 +10,7 @@ alone calls ``_scaled_dot_product_flash_attention_for_cpu``); by the code, one c
 inside ``sdpa_kernel(FLASH_ATTENTION)`` fails where flash does not fit its inputs.
 
 Dynamo's compile of a frame (under ``compile_lock``, in ``CatchErrorsWrapper.__call__``) enters
-:func:`torchfix._switches.compile_view` too: the switches that another thread's ``sdpa_kernel`` holds
+:func:`torchfix.patching.switches.compile_view` too: the switches that another thread's ``sdpa_kernel`` holds
 (``sdpa-kernel-switches`` counts them) are set, for the compile, to what the compiling thread sees of its own
 (its own ``sdpa_kernel``'s, or the values before any), and are taken back after it like any override. Where no
 other thread holds one, nothing is set: a compile in one thread runs exactly as without torchfix. Out of reach:
@@ -29,10 +29,10 @@ import sys
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, fresh, torch_module
-from .._source import Edit, ShapeError, insert_at, parse, segment
-from .._switches import compile_view
+from ..doctor.scenarios import Result, fresh, torch_module
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, find_replaced, insert_at, parse, segment
+from ..patching.switches import compile_view
 
 MODULE = "torch._dynamo.convert_frame"
 VIEW = "_torchfix_compile_view"
@@ -49,15 +49,16 @@ class _CompileView(SourcePatch):
     def edits(self, source: str) -> list[Edit]:
         """``with compile_lock, _disable_current_modes():`` (in ``CatchErrorsWrapper.__call__``, before 2.4 in
         ``catch_errors_wrapper``'s ``catch_errors``) -> ``with ..., _torchfix_compile_view():``."""
-        blocks = [
-            node
-            for node in ast.walk(parse(source))
-            if isinstance(node, ast.With)
-            and [segment(source, item.context_expr) for item in node.items] == COMPILE_BLOCK
-        ]
-        if len(blocks) != 1:
-            raise ShapeError(f"{self.relpath}: expected one `with {', '.join(COMPILE_BLOCK)}:`, found {len(blocks)}")
-        last = blocks[0].items[-1].context_expr
+        (block,) = find_replaced(
+            self.relpath,
+            parse(source),
+            f"`with {', '.join(COMPILE_BLOCK)}:`",
+            lambda node: (
+                isinstance(node, ast.With)
+                and [segment(source, item.context_expr) for item in node.items] == COMPILE_BLOCK
+            ),
+        )
+        last = block.items[-1].context_expr
         return [insert_at(last.end_lineno, last.end_col_offset, f", {VIEW}()")]
 
     def helpers(self) -> dict[str, object]:

@@ -31,8 +31,8 @@ import threading
 import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, fresh
+from ..doctor.scenarios import Result, fresh
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch._dynamo.compiled_autograd"
 HOLDER = "_in_compiled_autograd_region_tls"
@@ -51,7 +51,7 @@ def _clear_compiled_graphs() -> None:
 
 class _RegionPerThread(ThreadLocalGlobals):
     def __init__(self) -> None:
-        super().__init__(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, {NAME: "in_region"})
+        super().__init__(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, {NAME: "in_region"}, seen_in_backward=True)
 
     def describe(self) -> str:
         return (

@@ -36,8 +36,8 @@ import importlib.util
 import sys
 
 from .._fix import Fix, Scenario, releases
-from .._patch import AttributeUses, ThreadLocalGlobals
-from .._selftest import HeldTrace, Result
+from ..doctor.scenarios import HeldTrace, Result
+from ..patching.patches import AttributeUses, ThreadLocalGlobals
 
 MODULE = "torch.compiler"
 HOLDER = "_compiler_flags_tls"
@@ -58,7 +58,7 @@ _WRITERS = (
 def _patches(_torch_version: str) -> list:
     newer = frozenset(FLAGS) - {"_is_compiling_flag"}
     return [
-        ThreadLocalGlobals(MODULE, "torch/compiler/__init__.py", HOLDER, FLAGS, optional=newer),
+        ThreadLocalGlobals(MODULE, "torch/compiler/__init__.py", HOLDER, FLAGS, optional=newer, seen_in_backward=True),
         *(AttributeUses(module, relpath, MODULE, HOLDER, FLAGS) for module, relpath in _WRITERS),
     ]
 

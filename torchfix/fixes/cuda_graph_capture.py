@@ -26,9 +26,9 @@ import threading
 import weakref
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..doctor.scenarios import Result
+from ..patching.patches import SourcePatch, per_thread_class
+from ..patching.source import Edit, ShapeError, definitions, find_replaced, replace_node, segment
 
 MODULE = "torch.cuda.graphs"
 SHARED = "self.__class__.default_capture_stream"
@@ -36,12 +36,8 @@ STREAM = "_torchfix_capture_stream"
 CAPTURES = "_torchfix_captures"
 
 
-class _ThreadStreams(threading.local):
-    def __init__(self) -> None:
-        self.by_device: dict[int, object] = {}
-
-
-_streams = _ThreadStreams()
+# A capture runs in its thread, never in a backward: the device thread needs no stream of another thread's.
+_streams = per_thread_class("_ThreadStreams", {}, {"by_device": dict}, seen_in_backward=False)()
 
 
 def _capture_stream() -> object:
@@ -125,11 +121,14 @@ class _PerThreadCaptures(SourcePatch):
             (exit_, "self.cuda_graph.capture_end()", f"{CAPTURES}.end(self)"),
             (exit_, "self.stream_ctx.__exit__(", f"{CAPTURES}.exit(self, "),
         ):
-            found = [n for n in ast.walk(method) if isinstance(n, ast.Call) and segment(source, n).startswith(call)]
-            if len(found) != 1:
-                raise ShapeError(f"{self.relpath}: expected one {call} in graph.{method.name}, found {len(found)}")
-            text = segment(source, found[0])
-            edits.append(replace_node(found[0], replacement + text[len(call) :] if call.endswith("(") else replacement))
+            (found,) = find_replaced(
+                self.relpath,
+                method,
+                f"{call} in graph.{method.name}",
+                lambda n, call=call: isinstance(n, ast.Call) and segment(source, n).startswith(call),
+            )
+            text = segment(source, found)
+            edits.append(replace_node(found, replacement + text[len(call) :] if call.endswith("(") else replacement))
         return edits
 
     def helpers(self) -> dict[str, object]:

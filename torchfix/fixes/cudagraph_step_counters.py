@@ -14,7 +14,7 @@ for all threads too.
 The class attributes stay the process's counters, which torch's own code goes on changing as before and
 which code outside the trees reads and writes (torch's tests write ``GenerationTracker.generation -= 1`` to
 stay in one generation). Each statement of torch's that changes one also changes it in two ``Steps``: the
-calling thread's own (kept in the C++ thread-local stash until the thread ends, ``_thread_stash``, as torch
+calling thread's own (kept in the C++ thread-local stash until the thread ends, ``patching.stash``, as torch
 keeps the tree containers, so that autograd's device thread running a thread's backward reads that thread's
 counters) and ``BY_TORCH``, the sum of all of torch's changes. A tree reads its thread's own counter plus
 what else changed the class attribute (the attribute less ``BY_TORCH``): in one thread that is the class
@@ -33,10 +33,10 @@ import sys
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import PerThreadName, SourcePatch
-from .._selftest import Result, compiled_add_one
-from .._source import Edit, ShapeError, parse, replace_node, segment
-from .._thread_stash import stash_until_thread_end
+from ..doctor.scenarios import Result, compiled_add_one
+from ..patching.patches import PerThreadName, SourcePatch, per_thread_class
+from ..patching.source import Edit, ShapeError, parse, replace_node, segment
+from ..patching.stash import stash_until_thread_end
 
 TREES = "torch._inductor.cudagraph_trees"
 GUARD = "torch._dynamo.mutation_guard"
@@ -71,11 +71,9 @@ BY_TORCH = Steps()
 UNCOUNTED = Steps()  # every thread's until its first CUDA graph: increments no tree reads
 
 
-class ThreadSteps(threading.local):
-    steps = UNCOUNTED  # a class default, so the increment needs no call in any thread
-
-
-THREAD_STEPS = ThreadSteps()
+# A class default, so the increment needs no call in any thread; the device thread reaches a thread's Steps through
+# the stash (steps_of_this_work), not through this.
+THREAD_STEPS = per_thread_class("ThreadSteps", {"steps": UNCOUNTED}, {}, seen_in_backward=False)()
 
 
 def steps_of_this_work() -> Steps:

@@ -19,7 +19,7 @@ On torch 2.1 - 2.12 this backports the first two parts of upstream's fix (pytorc
   switch would invalidate another thread's capture. Replays are not serialised.
 
 On every release, 2.13 - 2.15 included (whose ``_initialize_tls`` is upstream's), the thread's stash
-entries are taken out when the thread ends (``_thread_stash``): left in, C++ thread-exit code tears the
+entries are taken out when the thread ends (``patching.stash``): left in, C++ thread-exit code tears the
 trees down after Python let the thread go. What upstream still shares between threads is in
 ``cudagraph-tree-callable`` and ``cudagraph-step-counters``.
 """
@@ -34,10 +34,10 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from .._fix import Fix, Scenario, minor_release, releases
-from .._patch import SourcePatch
-from .._selftest import Result, in_thread
-from .._source import Edit, ShapeError, definitions, replace_node, segment
-from .._thread_stash import adopt_until_thread_end, stash_until_thread_end
+from ..doctor.scenarios import Result, in_thread
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definitions, find_replaced, replace_node, segment
+from ..patching.stash import adopt_until_thread_end, stash_until_thread_end
 
 MODULE = "torch._inductor.cudagraph_trees"
 LOCK = "graph_capture_lock"
@@ -88,29 +88,30 @@ class _TreesPerThread(_TreesPatch):
         manager = {name: f for name, f in functions.items() if name.startswith(prefix)}
         if prefix + "__init__" not in manager:
             raise ShapeError(f"{self.relpath}: no CUDAGraphTreeManager.__init__")
-        starts = [
-            node
-            for node in ast.walk(manager[prefix + "__init__"])
-            if isinstance(node, ast.With)
-            and [segment(source, item.context_expr) for item in node.items] == ["torch.cuda.device(device_index)"]
-        ]
-        if len(starts) != 1:
-            raise ShapeError(f"{self.relpath}: expected one `with torch.cuda.device(device_index)` in the manager")
-        start = starts[0].items[0].context_expr
+        (starts,) = find_replaced(
+            self.relpath,
+            manager[prefix + "__init__"],
+            "`with torch.cuda.device(device_index)` in the manager",
+            lambda node: (
+                isinstance(node, ast.With)
+                and [segment(source, item.context_expr) for item in node.items] == ["torch.cuda.device(device_index)"]
+            ),
+        )
+        start = starts.items[0].context_expr
         edits.append(replace_node(start, f"{LOCK}, {segment(source, start)}"))
 
         for method in ("run_eager", "record_function"):
-            calls = [
-                stmt
-                for function in manager.values()
-                for stmt in ast.walk(function)
-                if isinstance(stmt, (ast.Return, ast.Assign))
-                and isinstance(stmt.value, ast.Call)
-                and segment(source, stmt.value.func) == f"self.{method}"
-            ]
-            if len(calls) != 1:
-                raise ShapeError(f"{self.relpath}: expected one call of self.{method}, found {len(calls)}")
-            edits.append(replace_node(calls[0], f"with {LOCK}: {segment(source, calls[0])}"))
+            (call,) = find_replaced(
+                self.relpath,
+                manager.values(),
+                f"call of self.{method}",
+                lambda stmt, method=method: (
+                    isinstance(stmt, (ast.Return, ast.Assign))
+                    and isinstance(stmt.value, ast.Call)
+                    and segment(source, stmt.value.func) == f"self.{method}"
+                ),
+            )
+            edits.append(replace_node(call, f"with {LOCK}: {segment(source, call)}"))
         return edits
 
     def helpers(self) -> dict[str, object]:
@@ -124,12 +125,14 @@ class _ReleaseAtThreadEnd(_TreesPatch):
         return super().describe() + f"; {INIT} stashes until the thread ends"
 
     def edits(self, source: str) -> list[Edit]:
-        init = definitions(source).get(INIT)
-        calls = [node for node in ast.walk(init) if isinstance(node, ast.Call)] if init is not None else []
-        stashes = [call.func for call in calls if segment(source, call.func) == "torch._C._stash_obj_in_tls"]
-        if len(stashes) != 2:
-            raise ShapeError(f"{self.relpath}: expected {INIT} to stash two objects (torch 2.13 - 2.15)")
-        return [replace_node(func, STASH) for func in stashes]
+        stashes = find_replaced(
+            self.relpath,
+            definitions(source).get(INIT),
+            f"calls of torch._C._stash_obj_in_tls in {INIT} (torch 2.13 - 2.15)",
+            lambda node: isinstance(node, ast.Call) and segment(source, node.func) == "torch._C._stash_obj_in_tls",
+            count=2,
+        )
+        return [replace_node(call.func, STASH) for call in stashes]
 
     def helpers(self) -> dict[str, object]:
         return {STASH: stash_until_thread_end}

@@ -32,8 +32,8 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from .._fix import Fix, releases
-from .._patch import SourcePatch
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, definition, find_replaced, replace_node, segment
 
 MODULE = "torch._inductor.compile_fx"
 HELPER = "_cudagraphify_per_tree"
@@ -85,20 +85,18 @@ class _CallablePerTree(SourcePatch):
         return super().describe() + f"; adds {HELPER}, which makes a graph's CUDA-graph callable once per tree"
 
     def edits(self, source: str) -> list[Edit]:
-        cudagraphify = definitions(source).get("cudagraphify")
-        if cudagraphify is None:
-            raise ShapeError(f"{self.relpath}: no cudagraphify")
-        partials = [
-            node.args[0]
-            for node in ast.walk(cudagraphify)
-            if isinstance(node, ast.Call)
-            and segment(source, node.func) == "functools.partial"
-            and node.args
-            and segment(source, node.args[0]) == "new_cudagraphify_impl"
-        ]
-        if len(partials) != 1:
-            raise ShapeError(f"{self.relpath}: expected one functools.partial(new_cudagraphify_impl, ...)")
-        return [replace_node(partials[0], f"{HELPER}(), new_cudagraphify_impl")]
+        (partial,) = find_replaced(
+            self.relpath,
+            definition(source, self.relpath, "cudagraphify"),
+            "functools.partial(new_cudagraphify_impl, ...)",
+            lambda node: (
+                isinstance(node, ast.Call)
+                and segment(source, node.func) == "functools.partial"
+                and node.args
+                and segment(source, node.args[0]) == "new_cudagraphify_impl"
+            ),
+        )
+        return [replace_node(partial.args[0], f"{HELPER}(), new_cudagraphify_impl")]
 
     def helpers(self) -> dict[str, object]:
         return {HELPER: PerTree}

@@ -49,10 +49,10 @@ from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, fresh, torch_module
-from .._source import Edit, ShapeError, definition, replace_node, segment
-from .._thread_stash import ThreadSpaces
+from ..doctor.scenarios import Result, fresh, torch_module
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definition, replace_node, segment
+from ..patching.stash import ThreadSpaces
 
 MODULE = "torch.export.exported_program"
 RELPATH = "torch/export/exported_program.py"
@@ -121,7 +121,7 @@ class DecompKernels:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._threads = ThreadSpaces("decomp-kernels")
+        self._threads = ThreadSpaces("decomp-kernels", seen_in_backward=True)
         self._real: dict[object, tuple[dict, dict]] = {}  # op -> its own py_kernels and _dispatch_cache, set aside
         self._inside: dict[object, int] = {}  # op -> the overrides of it under way, in all threads
 

@@ -35,8 +35,8 @@ import inspect
 import threading
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import Result, fresh
+from ..doctor.scenarios import Result, fresh
+from ..patching.patches import moved_globals_fix
 
 MODULE = "torch.utils._python_dispatch"
 FLAGS = {
@@ -166,4 +166,5 @@ FIX = moved_globals_fix(
     "and after the out-of-order exits no thread's torch.compile compiled anything again",
     releases_note="before 2.4: no such flag; the second and third flags from 2.5 and 2.9, moved where a release "
     "has them",
+    seen_in_backward=True,
 )

@@ -20,9 +20,9 @@ import importlib
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, torch_module
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..doctor.scenarios import Result, torch_module
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, definitions, find_replaced, replace_node, segment
 
 MODULE = "torch.export._draft_export"
 SWITCH = "torch._logging._internal.GET_DTRACE_STRUCTURED"
@@ -66,15 +66,13 @@ class _CountedCaptures(SourcePatch):
         methods = definitions(source)
         edits = []
         for method, replacement in (("__enter__", f"{CAPTURES}.enter()"), ("__exit__", f"{CAPTURES}.exit()")):
-            function = methods.get(f"CaptureStructuredTrace.{method}")
-            writes = [
-                node
-                for node in (ast.walk(function) if function is not None else ())
-                if isinstance(node, ast.Assign) and [segment(source, t) for t in node.targets] == [SWITCH]
-            ]
-            if len(writes) != 1:
-                raise ShapeError(f"{self.relpath}: expected CaptureStructuredTrace.{method} to write {SWITCH} once")
-            edits.append(replace_node(writes[0], replacement))
+            (write,) = find_replaced(
+                self.relpath,
+                methods.get(f"CaptureStructuredTrace.{method}"),
+                f"write of {SWITCH} in CaptureStructuredTrace.{method}",
+                lambda node: isinstance(node, ast.Assign) and [segment(source, t) for t in node.targets] == [SWITCH],
+            )
+            edits.append(replace_node(write, replacement))
         return edits
 
     def helpers(self) -> dict[str, object]:

@@ -32,8 +32,8 @@ import contextlib
 import threading
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import Result, fresh
+from ..doctor.scenarios import Result, fresh
+from ..patching.patches import moved_globals_fix
 
 MODULE = "torch._dynamo.utils"
 
@@ -168,4 +168,5 @@ FIX = moved_globals_fix(
         "their code, for good: torch 2.14.1)"
     ),
     releases_note='no such settings before 2.9: "not needed"; `override_cudagraphs` acts at run time from 2.14',
+    seen_in_backward=True,
 )

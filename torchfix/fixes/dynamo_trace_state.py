@@ -38,8 +38,8 @@ import sys
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, fresh
+from ..doctor.scenarios import Result, fresh
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
 
 HOLDER = "_trace_state_tls"
 CONVERT_FRAME, TRACE_RULES, BUILDER = (
@@ -65,7 +65,11 @@ def _patches(_torch_version: str) -> list[ThreadLocalGlobals]:
     builder_moved, builder_optional = _builder_names()
     return [
         ThreadLocalGlobals(
-            CONVERT_FRAME, "torch/_dynamo/convert_frame.py", HOLDER, {"initial_global_state": "initial_global_state"}
+            CONVERT_FRAME,
+            "torch/_dynamo/convert_frame.py",
+            HOLDER,
+            {"initial_global_state": "initial_global_state"},
+            seen_in_backward=True,
         ),
         ThreadLocalGlobals(
             TRACE_RULES,
@@ -73,9 +77,15 @@ def _patches(_torch_version: str) -> list[ThreadLocalGlobals]:
             HOLDER,
             {"_force_inline_flag": "force_inline"},
             optional=frozenset({"_force_inline_flag"}),
+            seen_in_backward=True,
         ),
         ThreadLocalGlobals(
-            BUILDER, "torch/_dynamo/variables/builder.py", HOLDER, builder_moved, optional=builder_optional
+            BUILDER,
+            "torch/_dynamo/variables/builder.py",
+            HOLDER,
+            builder_moved,
+            optional=builder_optional,
+            seen_in_backward=True,
         ),
     ]
 

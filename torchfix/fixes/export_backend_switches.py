@@ -13,7 +13,7 @@ tuple it saved. Every export enters it around its trace (Dynamo's capture, the A
   fp32 precision...), undoing a ``torch.backends.cudnn.deterministic = True`` another thread set meanwhile;
 * while any thread exports, every other thread runs without oneDNN and cuDNN (torch 2.13 and 2.14.1, measured).
 
-The calls go through :class:`torchfix._switches.Override` instead: ``set_flags(False)`` becomes an override of
+The calls go through :class:`torchfix.patching.switches.Override` instead: ``set_flags(False)`` becomes an override of
 the switches it sets (``enabled``, and from 2.10 the fp32 precision, which ``set_flags`` sets to its default
 "none"), counted across threads, and the exit takes back those alone, where they still hold what the override
 set. Out of reach: the third point. The backends read one C++ setting whichever thread runs an operator, and the
@@ -32,10 +32,10 @@ import inspect
 import sys
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch, source_without_import
-from .._selftest import HeldExport, Result, export_never_held, torch_module
-from .._source import Edit, ShapeError, definition, replace_node
-from .._switches import Override, Switch
+from ..doctor.scenarios import HeldExport, Result, export_never_held, torch_module
+from ..patching.patches import SourcePatch, source_without_import
+from ..patching.source import Edit, ShapeError, definition, replace_node
+from ..patching.switches import Override, Switch
 
 MODULE, FUNCTION = "torch.export._trace", "_ignore_backend_decomps"
 OFF = "_torchfix_backend_off"

@@ -25,9 +25,9 @@ import math
 import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import HeldExport, Result, export_never_held
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..doctor.scenarios import HeldExport, Result, export_never_held
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definitions, replace_node, segment
 
 MODULE = "torch._export.non_strict_utils"
 REAL = "_torchfix_real_builtin"

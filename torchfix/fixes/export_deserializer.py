@@ -19,8 +19,8 @@ from __future__ import annotations
 import threading
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import Result
+from ..doctor.scenarios import Result
+from ..patching.patches import moved_globals_fix
 
 MODULE = "torch._export.serde.serialize"
 
@@ -97,4 +97,5 @@ FIX = moved_globals_fix(
         "(torch 2.13: 20 of 40 loads of two threads)"
     ),
     releases_note='before 2.3: "not needed"',
+    seen_in_backward=True,
 )

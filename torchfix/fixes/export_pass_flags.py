@@ -24,8 +24,8 @@ from __future__ import annotations
 import importlib
 
 from .._fix import Fix, Scenario, minor_release, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, held_elsewhere, torch_module
+from ..doctor.scenarios import Result, held_elsewhere, torch_module
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
 
 QUANTIZED = "torch._export.passes.replace_quantized_ops_with_standard_ops_pass"
 UTILS = "torch._export.utils"
@@ -34,7 +34,7 @@ ASSERTS, INTERPRETER = "_DISABLE_ATEN_TO_ASSERTION_PASS", "RUN_WITH_INTERPRETER"
 
 
 def _per_thread(module: str, holder: str, moved: dict[str, str]) -> ThreadLocalGlobals:
-    return ThreadLocalGlobals(module, module.replace(".", "/") + ".py", holder, moved)
+    return ThreadLocalGlobals(module, module.replace(".", "/") + ".py", holder, moved, seen_in_backward=True)
 
 
 def _patches(torch_version: str) -> list[ThreadLocalGlobals]:

@@ -20,9 +20,9 @@ import importlib
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result
-from .._source import Edit, ShapeError, parse, replace_node
+from ..doctor.scenarios import Result
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, find_replaced, parse, replace_node
 
 MODULE = "torch._export.serde.serialize"
 SERIALIZE = "serialize_torch_artifact"
@@ -45,14 +45,14 @@ class _SaveAlone(SourcePatch):
         return super().describe() + f"; adds {ALONE} (one process-wide lock around {SERIALIZE})"
 
     def edits(self, source: str) -> list[Edit]:
-        calls = [
-            node.func
-            for node in ast.walk(parse(source))
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == SERIALIZE
-        ]
-        if not calls:
-            raise ShapeError(f"{self.relpath}: no call of {SERIALIZE}")
-        return [replace_node(call, ALONE) for call in calls]
+        calls = find_replaced(
+            self.relpath,
+            parse(source),
+            f"call of {SERIALIZE}",
+            lambda node: isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == SERIALIZE,
+            count=None,
+        )
+        return [replace_node(call.func, ALONE) for call in calls]
 
     def helpers(self) -> dict[str, object]:
         return {ALONE: _serialize_alone}

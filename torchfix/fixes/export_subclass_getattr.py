@@ -11,7 +11,7 @@ the second finds the first one's wrapper, wraps it and finally puts it back, so 
 good (reproduced on torch 2.10, 2.13 and 2.15): every later attribute read of the subclass, in any thread, goes
 through it.
 
-The three lines go through ``torch.export._trace._thread_patches``, a ``ThreadPatches`` (``fixes/_thread_patches.py``,
+The three lines go through ``torch.export._trace._thread_patches``, a ``ThreadPatches`` (``patching/slots.py``,
 the per-thread dispatcher of trace-patch-isolation): the read of the method to wrap is the calling thread's view (the
 class's own method, never another thread's wrapper), the write patches the calling thread only, and the restore
 undoes it. torch writes a ``functools.partialmethod``; the dispatcher calls its function as the class attribute
@@ -24,9 +24,9 @@ import importlib.util
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import source_without_import
-from .._selftest import Result
-from ._thread_patches import HELPER, SlotPatches
+from ..doctor.scenarios import Result
+from ..patching.patches import source_without_import
+from ..patching.slots import HELPER, SlotPatches
 
 MODULE = "torch.export._trace"
 FUNCTION = "override_getattribute_for_subclasses"  # nested in the non-strict trace (_export_to_aten_ir_make_fx)

@@ -14,8 +14,8 @@ Both move to per-thread storage (``_trace._export_trace_tls``) with :class:`Thre
 from __future__ import annotations
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import HeldExport, Result, export_call_graph, export_never_held
+from ..doctor.scenarios import HeldExport, Result, export_call_graph, export_never_held
+from ..patching.patches import moved_globals_fix
 
 MODULE = "torch.export._trace"
 
@@ -73,4 +73,5 @@ FIX = moved_globals_fix(
         "call graph from the other module"
     ),
     releases_note='before 2.3: "not needed"',
+    seen_in_backward=True,
 )

@@ -18,8 +18,8 @@ import importlib.util
 import threading
 
 from .._fix import Fix, Scenario, minor_release, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result
+from ..doctor.scenarios import Result
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
 
 HOLDER = "_ctx_getter_tls"
 GETTER = "global_ctx_getter"
@@ -104,6 +104,7 @@ FIX = Fix(
             _module(torch_version).replace(".", "/") + ".py",
             HOLDER,
             {GETTER: "ctx_getter"},
+            seen_in_backward=True,
         )
     ],
     scenarios=(

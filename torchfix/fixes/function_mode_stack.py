@@ -38,9 +38,9 @@ import threading
 import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, fresh
-from .._source import Edit
+from ..doctor.scenarios import Result, fresh
+from ..patching.patches import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
+from ..patching.source import Edit
 
 MODULE = "torch._dynamo.variables.torch_function"
 MANAGER, HOLDER = "torch_function_mode_stack_state_mgr", "_function_modes_tls"

@@ -26,18 +26,19 @@ import threading
 from collections.abc import Callable, Iterator
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, hold, line_of, started_thread, stopping
-from .._source import Edit, ShapeError, definition, iter_code, replace_node, segment
+from ..doctor.scenarios import Result, hold, line_of, started_thread, stopping
+from ..patching.patches import SourcePatch, per_thread_class
+from ..patching.source import Edit, ShapeError, definition, find_replaced, iter_code, replace_node, segment
 
 HELPER = "_torchfix_codegen_names"
 
 
-class CodegenNames(threading.local):
-    """The graph whose code this thread is writing, and the naming function of that ``python_code`` call."""
+class CodegenNames(per_thread_class("CodegenNames", {"graph": None, "node_repr": None}, {}, seen_in_backward=False)):
+    """The graph whose code this thread is writing, and the naming function of that ``python_code`` call (a
+    graph's code is written in the thread that calls ``python_code``, never in a backward)."""
 
-    graph: object = None
-    node_repr: Callable[[object], str] | None = None
+    graph: object
+    node_repr: Callable[[object], str] | None
 
     @contextlib.contextmanager
     def naming(self, graph: object, node_repr: Callable[[object], str]) -> Iterator[None]:
@@ -74,16 +75,20 @@ class _GraphNaming(_UsesNames):
         super().__init__("torch.fx.graph", "torch/fx/graph.py", names)
 
     def edits(self, source: str) -> list[Edit]:
-        overrides = [
-            item.context_expr
-            for node in ast.walk(definition(source, self.relpath, "Graph.python_code"))
-            if isinstance(node, ast.With)
-            for item in node.items
-            if segment(source, item.context_expr) == "override_node_repr(self)"
-        ]
-        if len(overrides) != 1:
-            raise ShapeError(f"{self.relpath}: expected Graph.python_code to enter override_node_repr(self) once")
-        return [replace_node(overrides[0], f"{HELPER}.naming(self, node_repr)")]
+        (override,) = find_replaced(
+            self.relpath,
+            [
+                item
+                for node in ast.walk(definition(source, self.relpath, "Graph.python_code"))
+                if isinstance(node, ast.With)
+                for item in node.items
+            ],
+            "`with override_node_repr(self)` in Graph.python_code",
+            lambda node: (
+                isinstance(node, ast.withitem) and segment(source, node.context_expr) == "override_node_repr(self)"
+            ),
+        )
+        return [replace_node(override.context_expr, f"{HELPER}.naming(self, node_repr)")]
 
 
 class _NodeRepr(_UsesNames):

@@ -27,8 +27,8 @@ import threading
 import warnings
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, in_thread
+from ..doctor.scenarios import Result, in_thread
+from ..patching.patches import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch.fx.traceback"
 FLEX = "torch._higher_order_ops.flex_attention"
@@ -114,6 +114,7 @@ FIX = Fix(
             HOLDER,
             GLOBALS,
             optional=frozenset({"current_replay_node", "_should_preserve_node_meta"}),
+            seen_in_backward=True,
         ),
         # torch 2.13+: flex attention's autograd forward reads the sparsity hint from a by-name import.
         ImportedNameUses(

@@ -23,9 +23,9 @@ import types
 from collections.abc import Callable, Iterator
 
 from .._fix import Fix, Scenario, releases
-from .._patch import AttributeUses, SourcePatch, ThreadLocalGlobals
-from .._selftest import HeldTrace, Result, call_compiled, compiled_add_one
-from .._source import Edit, ShapeError, definitions, insert_at, nested_function, parse
+from ..doctor.scenarios import HeldTrace, Result, call_compiled, compiled_add_one
+from ..patching.patches import AttributeUses, SourcePatch, ThreadLocalGlobals
+from ..patching.source import Edit, ShapeError, definitions, find_replaced, insert_at, nested_function, parse
 
 MODULE = "torch.fx._symbolic_trace"
 FLAG = "_is_fx_tracing_flag"
@@ -65,7 +65,7 @@ _ACCESSORS = ("_get_is_fx_tracing", "_set_is_fx_tracing", "_is_fx_tracing_contex
 
 class _FlagPatch(ThreadLocalGlobals):
     def __init__(self) -> None:
-        super().__init__(MODULE, "torch/fx/_symbolic_trace.py", HOLDER, {FLAG: "flag"})
+        super().__init__(MODULE, "torch/fx/_symbolic_trace.py", HOLDER, {FLAG: "flag"}, seen_in_backward=True)
         self._added: list[str] = []
 
     def describe(self) -> str:
@@ -105,7 +105,7 @@ class _CheckpointRecompute(SourcePatch):
         tree = parse(source)
         for outer, closure_name, user_fn in self.SHAPES:
             if outer in definitions(source):
-                closure = nested_function(tree, [outer, closure_name])
+                closure = nested_function(self.relpath, tree, [outer, closure_name])
                 return [self._capture(closure), self._reapply(closure, user_fn)]
         raise ShapeError(f"{self.relpath}: no non-reentrant checkpoint recompute function found")
 
@@ -117,19 +117,20 @@ class _CheckpointRecompute(SourcePatch):
             raise ShapeError(f"line {closure.lineno}: unexpected signature of {closure.name}")
         return insert_at(last.end_lineno, last.end_col_offset, f", {CAPTURED}={MODULE}.{HOLDER}.flag")
 
-    @staticmethod
-    def _reapply(closure: ast.FunctionDef, user_fn: str) -> Edit:
-        calls = [
-            stmt
-            for stmt in ast.walk(closure)
-            if isinstance(stmt, (ast.Expr, ast.Assign))
-            and isinstance(stmt.value, ast.Call)
-            and isinstance(stmt.value.func, ast.Name)
-            and stmt.value.func.id == user_fn
-        ]
-        if len(calls) != 1 or calls[0].lineno != calls[0].end_lineno:
-            raise ShapeError(f"{closure.name}: expected one one-line call of {user_fn}(...), found {len(calls)}")
-        call = calls[0]
+    def _reapply(self, closure: ast.FunctionDef, user_fn: str) -> Edit:
+        (call,) = find_replaced(
+            self.relpath,
+            closure,
+            f"call of {user_fn}(...) in {closure.name}",
+            lambda stmt: (
+                isinstance(stmt, (ast.Expr, ast.Assign))
+                and isinstance(stmt.value, ast.Call)
+                and isinstance(stmt.value.func, ast.Name)
+                and stmt.value.func.id == user_fn
+            ),
+        )
+        if call.lineno != call.end_lineno:
+            raise ShapeError(f"{self.relpath} line {call.lineno}: expected a one-line call of {user_fn}(...)")
         return insert_at(call.lineno, call.col_offset, f"with {MODULE}._is_fx_tracing_context({CAPTURED}): ")
 
 

@@ -20,7 +20,7 @@ and can leave the skipping function in place for the process: every GraphModule 
 under ``torch.compile`` (reproduced on 2.13 and 2.15 with an ``aot_compile``).
 
 The attribute's writes become per-thread patches (``convert_frame._thread_patches``, a ``ThreadPatches`` of
-``fixes/_thread_patches.py``): while a thread compiles, ``_forward_from_src`` holds a dispatcher that gives that
+``patching/slots.py``): while a thread compiles, ``_forward_from_src`` holds a dispatcher that gives that
 thread the skipping function and every other thread torch's own. The two flags move to per-thread storage
 (``_lazy_graph_module._lazy_graph_module_tls``) with :class:`ThreadLocalGlobals`. Compiled calls read neither.
 Not covered (2.0 - 2.1, where ``torch.compile`` itself calls ``wrap_convert_context``): a ``torch.compile`` made
@@ -33,9 +33,9 @@ import importlib
 import threading
 
 from .._fix import Fix, Scenario, minor_release, releases
-from .._patch import SourcePatch, ThreadLocalGlobals
-from .._selftest import HeldTrace, Result, fresh
-from ._thread_patches import HELPER, SlotPatches
+from ..doctor.scenarios import HeldTrace, Result, fresh
+from ..patching.patches import SourcePatch, ThreadLocalGlobals
+from ..patching.slots import HELPER, SlotPatches
 
 CONVERT_FRAME, LAZY = "torch._dynamo.convert_frame", "torch.fx._lazy_graph_module"
 FLAGS = {"_use_lazy_graph_module_flag": "use_lazy", "_force_skip_lazy_graph_module_flag": "force_skip"}
@@ -46,7 +46,11 @@ def _patches(torch_version: str) -> list[SourcePatch]:
     patcher = "wrap_convert_context" if minor_release(torch_version) < (2, 2) else "preserve_global_state"
     patches: list[SourcePatch] = [SlotPatches(CONVERT_FRAME, patcher, "torch.fx.graph_module", "_forward_from_src", 1)]
     if minor_release(torch_version) >= (2, 3):  # lazy graph modules from 2.3
-        patches.append(ThreadLocalGlobals(LAZY, "torch/fx/_lazy_graph_module.py", "_lazy_graph_module_tls", FLAGS))
+        patches.append(
+            ThreadLocalGlobals(
+                LAZY, "torch/fx/_lazy_graph_module.py", "_lazy_graph_module_tls", FLAGS, seen_in_backward=True
+            )
+        )
     return patches
 
 

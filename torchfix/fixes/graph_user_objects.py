@@ -36,8 +36,8 @@ import threading
 import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result, fresh, torch_module
+from ..doctor.scenarios import Result, fresh, torch_module
+from ..patching.patches import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch._dynamo.graph_bytecode_inputs"
 HOLDER = "_user_objects_tls"
@@ -61,7 +61,7 @@ class _SideTables(ThreadLocalGlobals):
     thread's entries), which the modules that imported them by name still hold."""
 
     def __init__(self) -> None:
-        super().__init__(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, TABLES)
+        super().__init__(MODULE, MODULE.replace(".", "/") + ".py", HOLDER, TABLES, seen_in_backward=True)
         self._originals: dict[str, list | dict] = {}
 
     def describe(self) -> str:

@@ -20,10 +20,10 @@ import importlib
 import threading
 from collections.abc import Callable
 
-from .._defaults import _DefaultChange
 from .._fix import Fix, Scenario, releases
-from .._selftest import Result, in_thread
-from .._source import ShapeError
+from ..doctor.scenarios import Result, in_thread
+from ..patching.defaults import _DefaultChange
+from ..patching.source import ShapeError
 
 MODULE = "torch._dynamo.eval_frame"
 HOLDER = "guarded_backend_cache"

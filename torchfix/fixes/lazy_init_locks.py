@@ -29,9 +29,9 @@ import types
 from collections.abc import Callable
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, hold, line_of, started_thread, stopping
-from .._source import Edit, ShapeError, definition, replace_node, segment
+from ..doctor.scenarios import Result, hold, line_of, started_thread, stopping
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, ShapeError, definition, find_replaced, replace_node, segment
 
 PREDISPATCH = "torch._functorch.predispatch"
 LEAF = "torch._higher_order_ops.invoke_leaf_function"
@@ -50,16 +50,17 @@ class _DecompositionsLock(SourcePatch):
         return super().describe() + f"; adds {DECOMPOSITIONS_LOCK}, the one lock every thread's first call takes"
 
     def edits(self, source: str) -> list[Edit]:
-        made = [
-            node.value
-            for node in ast.walk(definition(source, self.relpath, "lazy_load_decompositions"))
-            if isinstance(node, ast.Assign)
-            and [segment(source, target) for target in node.targets] == ["DECOMPOSITIONS_LOCK"]
-            and segment(source, node.value) == "threading.Lock()"
-        ]
-        if len(made) != 1:
-            raise ShapeError(f"{self.relpath}: expected lazy_load_decompositions to make DECOMPOSITIONS_LOCK once")
-        return [replace_node(made[0], DECOMPOSITIONS_LOCK)]
+        (made,) = find_replaced(
+            self.relpath,
+            definition(source, self.relpath, "lazy_load_decompositions"),
+            "`DECOMPOSITIONS_LOCK = threading.Lock()` in lazy_load_decompositions",
+            lambda node: (
+                isinstance(node, ast.Assign)
+                and [segment(source, target) for target in node.targets] == ["DECOMPOSITIONS_LOCK"]
+                and segment(source, node.value) == "threading.Lock()"
+            ),
+        )
+        return [replace_node(made.value, DECOMPOSITIONS_LOCK)]
 
     def helpers(self) -> dict[str, object]:
         return {DECOMPOSITIONS_LOCK: threading.Lock()}

@@ -13,9 +13,9 @@ Two switches of the local_map higher-order op (torch 2.10+, used by AutoParallel
 
 The global moves to per-thread storage (``local_map._defer_inlining_tls``) with :class:`ThreadLocalGlobals`. The
 class attribute stays torch's, so that a direct read sees in one thread what it sees without torchfix, but
-``enable()`` sets it as a counted override (``torchfix._switches``: overlapping entries in several threads leave it
-as found) and ``should_wrap_in_hop()`` reads the calling thread's own setting: its entry's, else the value before
-the first entry (a direct write made outside any entry is seen).
+``enable()`` sets it as a counted override (``torchfix.patching.switches``: overlapping entries in several threads
+leave it as found) and ``should_wrap_in_hop()`` reads the calling thread's own setting: its entry's, else the value
+before the first entry (a direct write made outside any entry is seen).
 
 Where the value is read matters: ``LocalMapAutogradOp.backward`` calls local_map again (its Fake kernel, when a
 joint graph is traced), and backward can run on autograd's device thread (CUDA), which before torch 2.13 has a
@@ -30,10 +30,16 @@ import ast
 import importlib
 
 from .._fix import Fix, Scenario, releases
-from .._patch import PerThreadName, SourcePatch, ThreadLocalGlobals, accesses_left, moved_global_probe
-from .._selftest import Result, held_elsewhere, torch_module
-from .._source import Edit, ShapeError, definition, definitions, parse, replace_node
-from .._switches import Override, Switch, own_value
+from ..doctor.scenarios import Result, held_elsewhere, torch_module
+from ..patching.patches import (
+    PerThreadName,
+    SourcePatch,
+    ThreadLocalGlobals,
+    accesses_left,
+    moved_global_probe,
+)
+from ..patching.source import Edit, ShapeError, definition, find_replaced, parse, replace_node
+from ..patching.switches import Override, Switch, own_value
 
 LOCAL_MAP = "torch._higher_order_ops.local_map"
 FLAG, HOLDER = "_DEFER_INLINING", "_defer_inlining_tls"
@@ -47,23 +53,23 @@ class _DeferPerThread(ThreadLocalGlobals):
     """``_DEFER_INLINING`` per thread, and ``LocalMapAutogradOp.backward``'s call of local_map deferred."""
 
     def __init__(self) -> None:
-        super().__init__(LOCAL_MAP, LOCAL_MAP.replace(".", "/") + ".py", HOLDER, {FLAG: "deferred"})
+        super().__init__(
+            LOCAL_MAP, LOCAL_MAP.replace(".", "/") + ".py", HOLDER, {FLAG: "deferred"}, seen_in_backward=True
+        )
 
     def describe(self) -> str:
         return super().describe() + f"; {BACKWARD} calls local_map_hop inside defer_inlining() (any thread)"
 
     def edits(self, source: str) -> list[Edit]:
-        backward = definitions(source).get(BACKWARD)
-        if backward is None:
-            raise ShapeError(f"{self.relpath}: no {BACKWARD}")
-        calls = [
-            node
-            for node in ast.walk(backward)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "local_map_hop"
-        ]
-        if len(calls) != 1:
-            raise ShapeError(f"{self.relpath}: expected one call of local_map_hop in {BACKWARD}")
-        return [*super().edits(source), replace_node(calls[0].func, DEFERRED_CALL)]
+        (call,) = find_replaced(
+            self.relpath,
+            definition(source, self.relpath, BACKWARD),
+            f"call of local_map_hop in {BACKWARD}",
+            lambda node: (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "local_map_hop"
+            ),
+        )
+        return [*super().edits(source), replace_node(call.func, DEFERRED_CALL)]
 
     def helpers(self) -> dict[str, object]:
         module = importlib.import_module(self.module_name)
@@ -76,9 +82,10 @@ class _DeferPerThread(ThreadLocalGlobals):
 
 
 class _Wrapping:
-    """``LocalMapWrappedHigherOrderVariable._enabled`` as a counted override (:mod:`torchfix._switches`): ``enable()``
-    sets the class attribute as torch does, so that a direct read in one thread sees what it sees without torchfix,
-    and exits in any order leave it as found; ``should_wrap_in_hop`` reads the calling thread's own setting."""
+    """``LocalMapWrappedHigherOrderVariable._enabled`` as a counted override (:mod:`torchfix.patching.switches`):
+    ``enable()`` sets the class attribute as torch does, so that a direct read in one thread sees what it sees without
+    torchfix, and exits in any order leave it as found; ``should_wrap_in_hop`` reads the calling thread's own
+    setting."""
 
     def __init__(self, cls: type) -> None:
         self._switch = Switch(

@@ -18,8 +18,8 @@ from __future__ import annotations
 import threading
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import HeldTrace, Result
+from ..doctor.scenarios import HeldTrace, Result
+from ..patching.patches import moved_globals_fix
 
 
 def make_fx_tracer_elsewhere(timeout: float = 60.0) -> Result | None:
@@ -92,4 +92,5 @@ FIX = moved_globals_fix(
         "into the other graph), and a finished tracer is left behind for every later higher-order op"
     ),
     releases_note='before 2.4: "not needed"',
+    seen_in_backward=True,
 )

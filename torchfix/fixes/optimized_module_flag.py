@@ -22,8 +22,8 @@ from __future__ import annotations
 import threading
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import Result, module_around
+from ..doctor.scenarios import Result, module_around
+from ..patching.patches import moved_globals_fix
 
 MODULE = "torch._dynamo.eval_frame"
 NAME = "_in_optimized_module"

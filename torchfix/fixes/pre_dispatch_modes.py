@@ -16,8 +16,8 @@ stack only through ``mode_stack_state_for_pre_dispatch()``, so one moved global 
 from __future__ import annotations
 
 from .._fix import Scenario, releases
-from .._patch import moved_globals_fix
-from .._selftest import HeldExport, Result, export_never_held
+from ..doctor.scenarios import HeldExport, Result, export_never_held
+from ..patching.patches import moved_globals_fix
 
 STACK = "_mode_stack_state_for_pre_dispatch"
 
@@ -80,4 +80,5 @@ FIX = moved_globals_fix(
         'before 2.3: "not needed"; `torch.export.export` traces pre-dispatch from 2.4, on 2.3 only '
         "`make_fx(pre_dispatch=True)` uses the stack"
     ),
+    seen_in_backward=True,
 )

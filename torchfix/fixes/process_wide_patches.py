@@ -17,7 +17,7 @@ originals back at their end:
   and two traces that overlap restore out of order: the second wraps the first one's wrappers and finally puts
   those back, so ``torch.zeros`` and the rest stay the first tracer's wrappers for the process.
 
-The writes go through a ``ThreadPatches`` in each module (``_thread_patches``; ``fixes/_thread_patches.py``, the
+The writes go through a ``ThreadPatches`` in each module (``_thread_patches``; ``patching/slots.py``, the
 per-thread dispatcher of trace-patch-isolation): each thread patches for itself, other threads run the originals,
 and the last thread to leave restores them; the meta tracer's read of the function to wrap is the calling thread's
 view. ``enable_torchbind_tracing()`` also appends ``torch.ScriptObject`` to AOTAutograd's ``KNOWN_TYPES`` and pops
@@ -33,9 +33,9 @@ import warnings
 from collections.abc import Callable
 
 from .._fix import Fix, Scenario, releases
-from .._patch import source_without_import
-from .._selftest import Result
-from ._thread_patches import HELPER, SlotPatches
+from ..doctor.scenarios import Result
+from ..patching.patches import source_without_import
+from ..patching.slots import HELPER, SlotPatches
 
 TORCHBIND, META_TRACER = "torch._higher_order_ops.torchbind", "torch.fx.experimental.meta_tracer"
 CONSTRUCTORS = ("arange", "zeros", "ones", "full_like", "eye")  # MetaTracer._TORCH_METHODS_TO_PATCH

@@ -29,9 +29,9 @@ import ast
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ThreadLocalGlobals, moved_global_probe
-from .._selftest import Result
-from .._source import Edit, ShapeError, definitions, nested_function
+from ..doctor.scenarios import Result
+from ..patching.patches import ThreadLocalGlobals, moved_global_probe
+from ..patching.source import Edit, ShapeError, definitions, nested_function
 
 MODULE = "torch.autograd.graph"
 RELPATH = "torch/autograd/graph.py"
@@ -47,7 +47,7 @@ class _PerContextActive(ThreadLocalGlobals):
     """The flag per thread, and the unpack hook reading its own context's ``active`` instead."""
 
     def __init__(self) -> None:
-        super().__init__(MODULE, RELPATH, HOLDER, {FLAG: ATTR})
+        super().__init__(MODULE, RELPATH, HOLDER, {FLAG: ATTR}, seen_in_backward=True)
 
     def describe(self) -> str:
         return (
@@ -71,7 +71,7 @@ class _PerContextActive(ThreadLocalGlobals):
             and node.targets[0].id == FLAG
             and isinstance(node.value, ast.Constant)
         }
-        reads = _names(nested_function(hooks, ["unpack_hook"]), FLAG)
+        reads = _names(nested_function(self.relpath, hooks, ["unpack_hook"]), FLAG)
         if sorted(stores.values()) != [False, True] or len(reads) != 1:
             raise ShapeError(
                 f"{self.relpath}: expected one read of {FLAG} in unpack_hook, a True and a False in {CONTEXT}"

@@ -13,8 +13,8 @@ every thread reads:
   ``RuntimeError: No available kernel`` while an evaluation thread is inside ``sdpa_kernel(FLASH_ATTENTION)``
   (torch 2.13, 2.14.1, measured), and a graph compiled meanwhile keeps that choice (``compile-switch-view``).
 
-Its saving and restoring go through :class:`torchfix._switches.Override` instead: the switches it sets are counted
-across threads, and its end takes them back only where they still hold the value it set. Out of reach: the third
+Its saving and restoring go through :class:`torchfix.patching.switches.Override` instead: the switches it sets are
+counted across threads, and its end takes them back only where they still hold the value it set. Out of reach: the third
 point, in eager code (one C++ setting, read by the operator whichever thread calls it; the window is the user's
 ``with`` block). In one thread ``sdpa_kernel`` sets and restores what torch does, nested ones too, but for two
 cases: a switch the context did not change (it found the value it sets) and that is changed inside it keeps that
@@ -32,10 +32,10 @@ import sys
 import threading
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch, source_without_import
-from .._selftest import Result, torch_module
-from .._source import Edit, ShapeError, definition, replace_node
-from .._switches import Override, Switch
+from ..doctor.scenarios import Result, torch_module
+from ..patching.patches import SourcePatch, source_without_import
+from ..patching.source import Edit, ShapeError, definition, replace_node
+from ..patching.switches import Override, Switch
 
 MODULE, FUNCTION = "torch.nn.attention", "sdpa_kernel"
 OVERRIDE = "_torchfix_sdpa_override"

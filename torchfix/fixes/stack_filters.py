@@ -7,7 +7,7 @@ which from 2.6 unions it). A few of torchfix's functions stand between torch's c
 per-thread dispatcher of ``trace-patch-isolation`` in ``nn.Module.__call__`` while a thread traces, the lock
 around ``torch.export.save``'s pickling. torch does not know their file, so a stack trace recorded through them
 showed one frame of torchfix: ``symbolic_trace`` with ``record_stack_traces`` gave every node under a submodule
-call a ``torchfix/fixes/_thread_patches.py ... in dispatch`` line (torch 2.13, one thread).
+call a ``torchfix/patching/slots.py ... in dispatch`` line (torch 2.13, one thread).
 
 The edit adds torchfix's own files to the set ``torch._dynamo.guards.uninteresting_files()`` returns, so every
 filter built on it drops them as it drops torch's; torch 2.1 - 2.5, whose FX set does not union Dynamo's yet, get
@@ -27,9 +27,9 @@ import sys
 import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import SourcePatch
-from .._selftest import Result, torch_module
-from .._source import Edit, ShapeError, definitions, replace_node, segment
+from ..doctor.scenarios import Result, torch_module
+from ..patching.patches import SourcePatch
+from ..patching.source import Edit, definitions, find_replaced, replace_node, segment
 
 GUARDS = "torch._dynamo.guards"
 SHAPES = "torch.fx.experimental.symbolic_shapes"
@@ -55,17 +55,17 @@ class _TorchfixFilesUninteresting(SourcePatch):
         return super().describe() + f"; adds {FILES} (torchfix's files) to {FUNCTION}()"
 
     def edits(self, source: str) -> list[Edit]:
-        function = definitions(source).get(FUNCTION)
-        returns = [
-            node.value
-            for node in (ast.walk(function) if function is not None else ())
-            if isinstance(node, ast.Return)
-            and node.value is not None
-            and segment(source, node.value) == SET_OF_MODULE_FILES
-        ]
-        if len(returns) != 1:
-            raise ShapeError(f"{self.relpath}: expected {FUNCTION}() to return {SET_OF_MODULE_FILES}")
-        return [replace_node(returns[0], f"{SET_OF_MODULE_FILES} | {FILES}")]
+        (returned,) = find_replaced(
+            self.relpath,
+            definitions(source).get(FUNCTION),
+            f"`return {SET_OF_MODULE_FILES}` in {FUNCTION}()",
+            lambda node: (
+                isinstance(node, ast.Return)
+                and node.value is not None
+                and segment(source, node.value) == SET_OF_MODULE_FILES
+            ),
+        )
+        return [replace_node(returned.value, f"{SET_OF_MODULE_FILES} | {FILES}")]
 
     def helpers(self) -> dict[str, object]:
         return {FILES: torchfix_files()}
@@ -155,7 +155,7 @@ FIX = Fix(
     ),
     symptom=(
         "in one thread, with torchfix: `symbolic_trace` with `record_stack_traces` gives every node under a "
-        "submodule call a `torchfix/fixes/_thread_patches.py ... in dispatch` line in its `stack_trace` (torch 2.13: "
+        "submodule call a `torchfix/patching/slots.py ... in dispatch` line in its `stack_trace` (torch 2.13: "
         "2 of 7 nodes of a two-module trace)"
     ),
     releases_note='before 2.1 no such set: "not needed"',

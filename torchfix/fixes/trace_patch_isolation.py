@@ -12,7 +12,7 @@ traces trip "AssertionError: CURRENT_PATCHER is None in finally block" or revert
 up to 2.15 (upstream pytorch/pytorch#187589 is not in a release yet).
 
 The fix routes every patch through ``_thread_patches``, a per-slot dispatcher (``ThreadPatches`` of
-``fixes/_thread_patches.py``, shared with autograd-entry-patches: a slot is one name in one class or module dict;
+``patching/slots.py``, shared with autograd-entry-patches: a slot is one name in one class or module dict;
 other threads run the originals, and the last thread to revert restores them):
 
 * the tracer's own reads of a slot (the deduplication check, the original it wraps, the autowrap scan)
@@ -32,10 +32,10 @@ import threading
 import types
 
 from .._fix import Fix, Scenario, releases
-from .._patch import ThreadLocalGlobals
-from .._selftest import MODULE_GRAPH, HeldTrace, Result, graph_ops, module_around
-from .._source import Edit, ShapeError, definitions, replace_node, segment
-from ._thread_patches import ThreadPatches, skip_in_dynamo_when_imported
+from ..doctor.scenarios import MODULE_GRAPH, HeldTrace, Result, graph_ops, module_around
+from ..patching.patches import ThreadLocalGlobals
+from ..patching.slots import ThreadPatches, skip_in_dynamo_when_imported
+from ..patching.source import Edit, ShapeError, definitions, find_replaced, replace_node, segment
 
 MODULE = "torch.fx._symbolic_trace"
 HELPER = "_thread_patches"
@@ -67,7 +67,8 @@ class _IsolationPatch(ThreadLocalGlobals):
             "torch/fx/_symbolic_trace.py",
             "_current_patcher_tls",
             {"CURRENT_PATCHER": "patcher"},
-            optional=frozenset({"CURRENT_PATCHER"}),  # 2.5+
+            optional=frozenset({"CURRENT_PATCHER"}),  # 2.5+,
+            seen_in_backward=True,
         )
 
     def describe(self) -> str:
@@ -99,8 +100,7 @@ class _IsolationPatch(ThreadLocalGlobals):
             return replace_node(stmt, f"{HELPER}.unset({owner}, {name})")
         return replace_node(stmt, f"{HELPER}.set({owner}, {name}, {value})")
 
-    @staticmethod
-    def _read_edits(source: str, functions: dict[str, ast.FunctionDef]) -> list[Edit]:
+    def _read_edits(self, source: str, functions: dict[str, ast.FunctionDef]) -> list[Edit]:
         """The tracer's reads of patched names: through the calling thread's view."""
         edits = []
         readers = ("_Patcher.patch", "_Patcher.patch_method", "_patch_wrapped_functions", "_create_wrapped_method")
@@ -122,14 +122,13 @@ class _IsolationPatch(ThreadLocalGlobals):
                     and name.id == "name"
                 ):
                     edits.append(replace_node(node, f"{HELPER}.current({owner.id}, name)"))
-        items = [
-            node
-            for node in ast.walk(functions["_autowrap_check"])
-            if isinstance(node, ast.Call) and segment(source, node) == "frame_dict.items()"
-        ]
-        if len(items) != 1:
-            raise ShapeError("_autowrap_check: expected one frame_dict.items()")
-        return edits + [replace_node(items[0], f"{HELPER}.items(frame_dict)")]
+        (items,) = find_replaced(
+            self.relpath,
+            functions["_autowrap_check"],
+            "frame_dict.items() in _autowrap_check",
+            lambda node: isinstance(node, ast.Call) and segment(source, node) == "frame_dict.items()",
+        )
+        return edits + [replace_node(items, f"{HELPER}.items(frame_dict)")]
 
     def helpers(self) -> dict[str, object]:
         return {HELPER: ThreadPatches()}

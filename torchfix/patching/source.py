@@ -18,11 +18,11 @@ import ast
 import difflib
 import functools
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import astuple, dataclass
 from typing import ClassVar
 
-from ._cache import cached, digest
+from .cache import cached, digest
 
 
 class ShapeError(Exception):
@@ -72,18 +72,40 @@ def definition(source: str, relpath: str, name: str) -> ast.FunctionDef:
     return function
 
 
-def nested_function(tree: ast.AST, path: list[str]) -> ast.FunctionDef:
-    """The function reached by following ``path`` (names of nested defs) from ``tree``."""
+_COUNTS = {1: "one", 2: "two", 3: "three"}
+
+
+def find_replaced(
+    relpath: str,
+    within: ast.AST | Iterable[ast.AST] | None,
+    what: str,
+    is_it: Callable[[ast.AST], object],
+    count: int | None = 1,
+) -> list[ast.AST]:
+    """What an edit replaces: the nodes under ``within`` (a function of the file ``relpath``, the whole tree, or
+    several nodes; None where the file lacks the function) for which ``is_it`` is true, in ``ast.walk`` order.
+    There must be ``count`` of them (None: one or more); any other number means the file is not the shape the edit
+    was written for, and every fix says so in the same words: ShapeError "RELPATH: expected one WHAT, found N"."""
+    roots = [] if within is None else [within] if isinstance(within, ast.AST) else list(within)
+    found = [node for root in roots for node in ast.walk(root) if is_it(node)]
+    if len(found) != count and not (count is None and found):
+        expected = "one or more" if count is None else _COUNTS.get(count, str(count))
+        raise ShapeError(f"{relpath}: expected {expected} {what}, found {len(found)}")
+    return found
+
+
+def nested_function(relpath: str, tree: ast.AST, path: list[str]) -> ast.FunctionDef:
+    """The function reached by following ``path`` (names of nested defs) from ``tree``, of the file ``relpath``."""
     node = tree
     for name in path:
-        found = [
-            child
-            for child in ast.walk(node)
-            if isinstance(child, ast.FunctionDef) and child.name == name and child is not node
-        ]
-        if len(found) != 1:
-            raise ShapeError(f"expected one function {name!r} on the path {'.'.join(path)}, found {len(found)}")
-        node = found[0]
+        (node,) = find_replaced(
+            relpath,
+            node,
+            f"function {name} on the path {'.'.join(path)}",
+            lambda child, name=name, outer=node: (
+                isinstance(child, ast.FunctionDef) and child.name == name and child is not outer
+            ),
+        )
     return node
 
 

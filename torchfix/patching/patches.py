@@ -19,9 +19,9 @@ import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
-from ._cache import cached, digest
-from ._fix import Fix, Scenario, releases
-from ._source import (
+from .._fix import Fix, Scenario, releases
+from .cache import cached, digest
+from .source import (
     Edit,
     PatchedFile,
     ShapeError,
@@ -33,7 +33,7 @@ from ._source import (
     segment,
     unified_diff,
 )
-from ._thread_stash import ThreadSpaces
+from .stash import ThreadSpaces
 
 if TYPE_CHECKING:
     import symtable
@@ -115,7 +115,7 @@ class SourcePatch:
         return unified_diff(self.relpath, source, apply_edits(source, self.edits(source)))
 
     def cached_edits(self, source: str) -> list[Edit]:
-        """``edits(source)``, kept between processes (``_cache``): edits are a function of the file's text and
+        """``edits(source)``, kept between processes (``cache``): edits are a function of the file's text and
         of the patch's settings alone, which the key holds. A patch whose settings have no stable text
         (an object's default repr) is not cached."""
         settings = repr(sorted((k, _stable(v)) for k, v in vars(self).items() if not k.startswith("_")))
@@ -218,7 +218,7 @@ class _Default:
 def _module_level_defaults(source: str, names: set[str]) -> dict[str, _Default]:
     """The defaults of ``names``, from their module-level assignments.
 
-    Kept between processes (``_cache``) as where those assignments are in the file (offsets: data, never code),
+    Kept between processes (``cache``) as where those assignments are in the file (offsets: data, never code),
     so a warm start parses those lines alone, of torch's own file, as a cold one does. An entry that points at
     anything but whole lines, or whose lines do not assign the names, raises (and is rebuilt)."""
     spans = cached("defaults", (digest(source), repr(sorted(names))), lambda: _assignment_spans(source, names))
@@ -318,11 +318,15 @@ def per_thread_class(
     holder: str,
     defaults: dict[str, object],
     factories: dict[str, Callable[[], object]],
-    seen_in_backward: bool = True,
+    *,
+    seen_in_backward: bool,
 ) -> type:
-    """The holder's type: one property per moved global, kept per thread (:class:`ThreadSpaces`: autograd's device
-    thread sees the values of the thread whose backward it runs), and ``overridden``, how many (thread, name) pairs
-    hold something else than their shared default.
+    """The holder's type: one attribute per name, with its default (``defaults``, or a value made per thread by
+    ``factories``), kept per thread; the caller says whether autograd's device thread sees the values of the thread
+    whose backward it runs.
+
+    ``seen_in_backward=True``: one property per name, kept in :class:`ThreadSpaces`, and ``overridden``, how many
+    (thread, name) pairs hold something else than their shared default.
 
     A per-thread read costs several times a global read, and torch reads these flags (and the compile stance) on
     every compiled call. The rewritten reads of a global with a shared default (``defaults``) test ``overridden``
@@ -333,8 +337,9 @@ def per_thread_class(
     (``factories``) is read through the property every time: each thread gets its own object on its first read.
 
     ``seen_in_backward=False``: a plain ``threading.local`` instead, where autograd's device thread sees the
-    defaults. For state that torch writes on every call (whether a compiled module's call is under way) and that
-    means nothing in a backward: its reads and writes are attribute accesses, no Python call (a property's write,
+    defaults; a class may add methods by subclassing it. For state that torch writes on every call (whether a
+    compiled module's call is under way) and that means nothing in a backward: its reads and writes are attribute
+    accesses, no Python call (a property's write,
     with its lock and the C++ stash, cost 1.7 us, against a 54 us compiled module call on the CPU machine).
     """
     if not seen_in_backward:
@@ -374,7 +379,7 @@ def per_thread_class(
         return property(get, set_)
 
     def __init__(self: object) -> None:
-        self._spaces, self._lock, self.overridden = ThreadSpaces(holder), threading.Lock(), 0
+        self._spaces, self._lock, self.overridden = ThreadSpaces(holder, seen_in_backward=True), threading.Lock(), 0
 
     namespace = {attr: per_thread(attr, default) for attr, default in defaults.items()}
     namespace |= {attr: per_thread_object(attr, make) for attr, make in factories.items()}
@@ -411,7 +416,7 @@ def moved_globals_fix(
     order: int,
     optional: frozenset[str] = frozenset(),
     own: frozenset[str] = frozenset(),
-    seen_in_backward: bool = True,
+    seen_in_backward: bool,
     trigger: str = "torch",
     scenarios: tuple[Scenario, ...] = (),
     **facts: str,
@@ -483,9 +488,10 @@ class ThreadLocalGlobals(SourcePatch):
         relpath: str,
         holder: str,
         attrs: dict[str, str],
+        *,
+        seen_in_backward: bool,
         optional: frozenset[str] = frozenset(),
         own: frozenset[str] = frozenset(),
-        seen_in_backward: bool = True,
     ) -> None:
         super().__init__(module, relpath)
         self.holder = holder
@@ -496,7 +502,8 @@ class ThreadLocalGlobals(SourcePatch):
         # Names whose object (not a literal) its users change in place: each thread gets one of its own,
         # made by the file's expression; shared, one thread's change would show in all.
         self.own = own
-        # False: a plain threading.local holder, read and written with no call (see per_thread_class)
+        # Whether a backward on autograd's device thread sees the thread's values (False: a plain threading.local
+        # holder, read and written with no call; see per_thread_class)
         self.seen_in_backward = seen_in_backward
         self._moved: dict[str, str] = {}  # the attrs moved in the live module
         self._nothing_here = False  # apply() found none of the names (every one optional): nothing to patch
@@ -576,7 +583,7 @@ class ThreadLocalGlobals(SourcePatch):
             else:  # the module's object where it equals a fresh default (nothing set yet), so it stays shared
                 current, fresh = namespace[name], make()
                 shared[moved[name]] = namespace[f"{name}_default"] = current if current == fresh else fresh
-        holder = per_thread_class(self.holder, shared, factories, self.seen_in_backward)()
+        holder = per_thread_class(self.holder, shared, factories, seen_in_backward=self.seen_in_backward)()
         for name, attr in moved.items():
             if attr in factories or namespace[name] is not shared[attr]:
                 setattr(holder, attr, namespace[name])

@@ -29,11 +29,11 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
-from . import _selftest
+from . import scenarios
 
 # What an error message says about its hazard; anything else is reported as "other".
 ERROR_HAZARDS = [
-    (_selftest.NESTED_TRACE_ERROR, "H1 FX tracing flag"),
+    (scenarios.NESTED_TRACE_ERROR, "H1 FX tracing flag"),
     ("is not installed as a submodule", "H4 trace patches"),
     ("CURRENT_PATCHER", "H4 trace patches"),
     ("traced graph", "H4 trace patches"),
@@ -145,8 +145,8 @@ class Soak:
         return counting
 
     def symbolic_trace(self, rng: random.Random) -> None:
-        ops = _selftest.graph_ops(_selftest.module_around(self._add_one))
-        assert ops == _selftest.MODULE_GRAPH, f"traced graph {ops}"
+        ops = scenarios.graph_ops(scenarios.module_around(self._add_one))
+        assert ops == scenarios.MODULE_GRAPH, f"traced graph {ops}"
 
     def make_fx(self, rng: random.Random) -> None:
         from torch.fx.experimental.proxy_tensor import make_fx

@@ -42,6 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from .._errors import TorchfixWarning
+
 T = TypeVar("T")
 
 _FORMAT = 3  # bump when what an entry holds changes shape
@@ -65,7 +67,7 @@ def digest(*parts: str) -> str:
 @functools.cache
 def _torchfix_digest() -> str:
     """The hash of every torchfix source file: a cached result never outlives the code that made it."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # torchfix/, not this folder of it
     h = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):
         h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
@@ -73,8 +75,6 @@ def _torchfix_digest() -> str:
 
 
 def _warn(message: str) -> None:
-    from ._install import TorchfixWarning  # here: _install imports the fixes, which import this module
-
     warnings.warn(f"torchfix: {message}", TorchfixWarning, stacklevel=3)
 
 

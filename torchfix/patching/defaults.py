@@ -10,8 +10,8 @@ import importlib
 import threading
 from collections.abc import Callable
 
-from ._config import invalidate_config_caches
-from ._source import ShapeError
+from .config import invalidate_config_caches
+from .source import ShapeError
 
 _UNSET = object()
 

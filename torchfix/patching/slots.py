@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterator
 
 import wrapt
 
-from .._patch import SourcePatch, source_without_import
-from .._source import Edit, ShapeError, definitions, parse, replace_node, segment
-from .._thread_stash import ThreadSpaces
+from .patches import SourcePatch, source_without_import
+from .source import Edit, ShapeError, definitions, find_replaced, parse, replace_node, segment
+from .stash import ThreadSpaces
 
 _ABSENT = object()
 HELPER = "_thread_patches"  # the ThreadPatches' name in a patched module (SlotPatches)
@@ -87,7 +87,7 @@ class ThreadPatches:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._slots: dict[tuple[int, str], _Slot] = {}
-        self._spaces = ThreadSpaces("thread-patches")  # autograd's device thread runs a backward with its thread's
+        self._spaces = ThreadSpaces("thread-patches", seen_in_backward=True)  # a backward runs with its thread's
 
     def _stack(self, key: tuple[int, str]) -> list[Callable]:
         space = self._spaces.make()
@@ -224,11 +224,13 @@ class SlotPatches(SourcePatch):
         found = definitions(source).get(self.function)
         if found is not None:
             return found
-        nested = [node for node in ast.walk(parse(source)) if isinstance(node, ast.FunctionDef)]
-        nested = [node for node in nested if node.name == self.function]
-        if len(nested) != 1:
-            raise ShapeError(f"{self.relpath}: expected one {self.function}, found {len(nested)}")
-        return nested[0]
+        (nested,) = find_replaced(
+            self.relpath,
+            parse(source),
+            f"function {self.function}",
+            lambda node: isinstance(node, ast.FunctionDef) and node.name == self.function,
+        )
+        return nested
 
     @staticmethod
     def _use(source: str, node: ast.AST) -> tuple[str, str, ast.expr | None] | None:

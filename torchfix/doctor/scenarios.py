@@ -1,4 +1,4 @@
-"""What the self-test scenarios share, and :func:`run_all`, the doctor's self-test (``python -m torchfix``).
+"""The scenario kit: what the fixes' self-test scenarios are made of (the doctor runs them: ``selftest``).
 
 Each fix declares its scenarios (``Fix.scenarios``) and defines their functions in its own module. A scenario
 forces the bad interleaving with events (one thread holds a trace open while another thread acts), so it
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from ._source import ShapeError
+from ..patching.source import ShapeError
 
 NESTED_TRACE_ERROR = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
 
@@ -348,30 +348,3 @@ def started_thread(
     thread = threading.Thread(target=run, name=f"torchfix-selftest-{name}", daemon=True)
     thread.start()
     return thread
-
-
-def run_all(timeout: float = 60.0) -> list[Result]:
-    """Every scenario the fixes declare (``Fix.scenarios``) that this torch has, in the fixes' order, stage by
-    stage: without the fixes, some leave the process broken (a stuck flag, ``nn.Module`` left patched) and
-    overlapping exports leave torch's pre-dispatch mode stack dirty, so those run last. A scenario that raises
-    because an earlier one broke the process is reported as a failure rather than stopping the report."""
-    from . import fixes
-    from ._fix import State
-    from ._install import status
-
-    applied = {entry.name for entry in status() if entry.state is State.APPLIED}
-    declared = [
-        scenario
-        for fix in fixes.ALL
-        for scenario in fix.scenarios
-        if not scenario.needs_fix or fix.name in applied  # without its fix, such a scenario can crash torch
-    ]
-    results = []
-    for scenario in sorted(declared, key=lambda s: s.stage):  # stable: the fixes' order within a stage
-        try:
-            result = scenario.function(*scenario.args, timeout=timeout)
-        except Exception as exc:
-            result = Result(scenario.name, True, f"raised {exc!r}")
-        if result is not None:
-            results.append(result)
-    return results

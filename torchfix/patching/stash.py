@@ -126,8 +126,10 @@ def adopt_until_thread_end(key: str) -> None:
 
 
 class ThreadSpaces:
-    """One namespace per thread, where autograd's device thread sees the namespace of the thread whose backward it
-    runs: what torchfix keeps per thread.
+    """One namespace per thread: all that torchfix keeps per thread, made here, each maker saying whether a backward
+    on autograd's device thread sees the namespace of the thread whose backward it runs (``seen_in_backward``).
+    (:func:`torchfix.patching.patches.per_thread_class` holds moved globals in one of these, or in its call-free
+    ``threading.local`` form where they are not seen in a backward.)
 
     On CUDA, autograd runs a backward on its device thread, one for all threads, and so does AOTAutograd when it
     traces a joint graph's backward (``torch.autograd.grad`` on fake CUDA tensors). State torch keeps in a module
@@ -142,16 +144,20 @@ class ThreadSpaces:
     exception" or a segfault, once every thread that set any state had an entry). There, and on 2.0, it is a
     ``threading.local``, and a backward traced on the device thread reads the defaults.
 
+    ``seen_in_backward=False``: a ``threading.local`` on every release, for state that means nothing in a backward
+    (the device thread then sees no namespace).
+
     A read of the stash costs about 70 ns, a ``threading.local`` attribute about 30 ns: the per-thread holders read
-    here only while some thread holds a value of its own (see ``_patch.per_thread_class``).
+    here only while some thread holds a value of its own (see ``patches.per_thread_class``).
     """
 
     _keys = itertools.count()  # a key per instance, never reused: a namespace left from an uninstalled one stays apart
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, seen_in_backward: bool) -> None:
         C = _torch_c()
         self._key = f"torchfix.{name}.{next(self._keys)}"
-        self._local = None if hasattr(C, "_remove_obj_from_tls") else threading.local()
+        in_stash = seen_in_backward and hasattr(C, "_remove_obj_from_tls")
+        self._local = None if in_stash else threading.local()
         self._has, self._get = getattr(C, "_is_key_in_tls", None), getattr(C, "_get_obj_in_tls", None)
 
     def get(self) -> types.SimpleNamespace | None:

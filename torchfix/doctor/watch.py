@@ -38,7 +38,7 @@ import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .fixes._thread_patches import seen_by_this_thread
+from ..patching.slots import seen_by_this_thread
 
 _PLAIN = (bool, int, float, str, type(None))
 _OTHER = "<an object>"  # a value that is neither plain, nor a function or class: compared by kind only
