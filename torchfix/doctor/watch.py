@@ -406,8 +406,8 @@ class Watcher:
     def report(self) -> dict:
         """What the watcher saw: new changes first, set-and-restored before the rest (temporary process-wide
         settings); each change's ``known`` is why it was triaged (:data:`DECLARED`), or None where it is new."""
-        from . import status
-        from ._fix import State
+        from .._fix import State
+        from .._install import status
 
         applied = {entry.name for entry in status() if entry.state in (State.APPLIED, State.PENDING)}
         changes = [dict(c.describe(), known=known_reason(c.name, applied)) for c in self.changes.values()]
