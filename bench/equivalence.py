@@ -116,7 +116,8 @@ def _observed(what: str, program: list[str], disable: bool, timeout: float) -> d
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
         # One hash seed for both runs: some samples iterate a set of strings (meshgrid's indexing), whose order
         # differs between interpreters otherwise.
-        env |= {"TORCHINDUCTOR_CACHE_DIR": folder, "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONHASHSEED": "0"}
+        env |= {"TORCHINDUCTOR_CACHE_DIR": folder, "TRITON_CACHE_DIR": folder, "PYTHONHASHSEED": "0"}
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         if disable:
             env["TORCHFIX_DISABLE"] = "1"
         command = [sys.executable, *program[:2], str(out), *program[2:]]
