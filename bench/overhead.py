@@ -71,6 +71,9 @@ def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
             nonlocal calls
             calls += event in ("call", "c_call")
 
+        # Python 3.12 turns opcode events on when sys.settrace is called, and only once some frame has asked for
+        # them: without this line the first count of a process read 0.
+        sys._getframe().f_trace_opcodes = True
         sys.settrace(trace)
         try:
             fn()
