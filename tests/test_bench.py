@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["overhead", "coldstart", "trainer"])
+@pytest.mark.parametrize("name", ["overhead", "coldstart", "firststep", "trainer"])
 def test_benchmark_smoke(name, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench", name, "--quick", "--out", str(tmp_path)],
@@ -172,7 +172,7 @@ def test_help_names_the_benchmarks_and_an_unknown_one_is_refused():
 
     helped = bench("--help")
     assert helped.returncode == 0 and "[NAME ...]" in helped.stdout and "{[]" not in helped.stdout
-    listed = "overhead, coldstart, trainer, cudagraphs, cost, equivalence (default: all)"
+    listed = "overhead, coldstart, firststep, trainer, cudagraphs, cost, equivalence (default: all)"
     assert listed in " ".join(helped.stdout.split())
     refused = bench("nope")
     assert refused.returncode == 2 and "unknown benchmark nope: choose from overhead," in refused.stderr
