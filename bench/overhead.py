@@ -181,26 +181,36 @@ def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
     }
 
 
-def _import_seconds(code: str, repeats: int, **env: str) -> float:
+def _import_seconds(code: str, repeats: int, **env: str) -> list[float]:
     times = []
     for _ in range(repeats):
         environ = {**os.environ, **env}
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ)
         times.append(float(out.stdout))
-    return statistics.median(times)
+    return times
+
+
+def _median_ms(code: str, repeats: int, **env: str) -> float:
+    return 1e3 * statistics.median(_import_seconds(code, repeats, **env))
 
 
 def import_cost(repeats: int) -> dict[str, float]:
-    """Medians over ``repeats`` fresh interpreters. The first run with the cache on fills it (unless an
-    earlier one did), so its median is a warm start's."""
+    """Medians over ``repeats`` fresh interpreters (and, for ``import torchfix`` after torch with its cache, the
+    quartiles). The first run with the cache on fills it (unless an earlier one did), so its median is a warm
+    start's."""
     timed = "import time; t = time.perf_counter(); {body}; print(time.perf_counter() - t)"
     after_torch = "import torch; " + timed.format(body="import torchfix")
+    warm = [1e3 * seconds for seconds in _import_seconds(after_torch, repeats)]
+    quartiles = statistics.quantiles(warm, n=4) if len(warm) > 1 else warm * 3
     return {
-        "import_torchfix_after_torch_ms": 1e3 * _import_seconds(after_torch, repeats),
-        "import_torchfix_after_torch_uncached_ms": 1e3 * _import_seconds(after_torch, repeats, TORCHFIX_CACHE="0"),
-        "import_torchfix_after_torch_disabled_ms": 1e3 * _import_seconds(after_torch, repeats, TORCHFIX_DISABLE="1"),
-        "import_torch_ms": 1e3 * _import_seconds(timed.format(body="import torch"), repeats),
-        "import_torchfix_then_torch_ms": 1e3 * _import_seconds(timed.format(body="import torchfix, torch"), repeats),
+        "import_torchfix_after_torch_ms": statistics.median(warm),
+        "import_torchfix_after_torch_q1_ms": quartiles[0],
+        "import_torchfix_after_torch_q3_ms": quartiles[2],
+        "import_runs": repeats,
+        "import_torchfix_after_torch_uncached_ms": _median_ms(after_torch, repeats, TORCHFIX_CACHE="0"),
+        "import_torchfix_after_torch_disabled_ms": _median_ms(after_torch, repeats, TORCHFIX_DISABLE="1"),
+        "import_torch_ms": _median_ms(timed.format(body="import torch"), repeats),
+        "import_torchfix_then_torch_ms": _median_ms(timed.format(body="import torchfix, torch"), repeats),
     }
 
 
@@ -228,7 +238,7 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
         "flag_read": side_by_side(predicate, calls * 10, rounds),
         "cudagraph_replay": cudagraph_replay(device, *((20, 4) if quick else (500, 41))),
     }
-    result.update(import_cost(repeats=1 if quick else 7))
+    result.update(import_cost(repeats=1 if quick else 15))
     return result
 
 
@@ -251,7 +261,9 @@ def table(result: dict) -> str:
             f"{work['calls_without_torchfix']} without"
         )
     lines += [
-        f"import torchfix (torch already imported): {result['import_torchfix_after_torch_ms']:.1f} ms "
+        f"import torchfix (torch already imported): {result['import_torchfix_after_torch_ms']:.1f} ms, median of "
+        f"{result['import_runs']} fresh interpreters (quartiles {result['import_torchfix_after_torch_q1_ms']:.1f} - "
+        f"{result['import_torchfix_after_torch_q3_ms']:.1f}) "
         f"(without its cache {result['import_torchfix_after_torch_uncached_ms']:.0f} ms; with every fix disabled "
         f"{result['import_torchfix_after_torch_disabled_ms']:.1f} ms)",
         f"import torch: {result['import_torch_ms']:.0f} ms; "

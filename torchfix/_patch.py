@@ -122,7 +122,7 @@ class SourcePatch:
         if " at 0x" in settings:
             return self.edits(source)
         identity = f"{type(self).__module__}.{type(self).__qualname__}{settings}"
-        rows = cached("edits", (identity, digest(source)), lambda: [dataclasses.astuple(e) for e in self.edits(source)])
+        rows = cached("edits", (identity, digest(source)), lambda: [e.row() for e in self.edits(source)])
         return [Edit(*row) for row in rows]
 
     def apply(self) -> None:
