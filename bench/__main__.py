@@ -1,5 +1,5 @@
-"""python -m bench [overhead] [coldstart] [trainer] [cudagraphs] [cost] [equivalence] [--device DEV] [--quick]
-[--out DIR]: print a table and write JSON per benchmark."""
+"""python -m bench [overhead] [coldstart] [firststep] [trainer] [cudagraphs] [cost] [equivalence] [--device DEV]
+[--quick] [--out DIR]: print a table and write JSON per benchmark."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import json
 import shutil
 from pathlib import Path
 
-from . import coldstart, cost, cudagraphs, equivalence, overhead, trainer
+from . import coldstart, cost, cudagraphs, equivalence, firststep, overhead, trainer
 
 BENCHMARKS = {
     "overhead": overhead,
     "coldstart": coldstart,
+    "firststep": firststep,
     "trainer": trainer,
     "cudagraphs": cudagraphs,
     "cost": cost,
@@ -27,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     parser.add_argument("--out", default="bench/results", help="where to write <name>.json")
-    parser.add_argument("--device", default="cpu", help="device for coldstart and trainer (cpu, cuda:0, ...)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="device for overhead (its CUDA-graph row), coldstart, firststep and trainer (cpu, cuda:0, ...)",
+    )
     parser.add_argument(
         "--width", choices=("tiny", "real"), default="tiny", help="trainer: model width (see bench/trainer.py)"
     )
@@ -35,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per configuration of cudagraphs")
     parser.add_argument("--configs", default="", help="cudagraphs: indices of the configurations to run (0,1,...)")
     parser.add_argument("--parallel", type=int, default=1, help="cudagraphs: runs at once, each its own process")
-    parser.add_argument("--pairs", type=int, default=5, help="cost: ABBA pairs of runs, torchfix on and off (0: none)")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=5,
+        help="cost, firststep: ABBA pairs of runs, torchfix on and off (cost: 0 is none)",
+    )
     parser.add_argument(
         "--fixes",
         nargs="?",
@@ -54,9 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.names or list(BENCHMARKS):
-        options = {"device": args.device} if name in ("coldstart", "trainer") else {}
+        options = {"device": args.device} if name in ("overhead", "coldstart", "firststep", "trainer") else {}
         if name == "trainer":
             options |= {"width": args.width, "counts": tuple(int(n) for n in args.counts.split(","))}
+        if name == "firststep":
+            options |= {"pairs": args.pairs}
         if name == "cudagraphs":
             options = {"runs": args.runs, "configs": args.configs, "parallel": args.parallel}
         if name == "cost":

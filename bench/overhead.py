@@ -1,8 +1,9 @@
 """What torchfix costs: compiled-call rate and flag-read time with and without it, measured side by
-side in one process (alternating blocks, torchfix uninstalled and reinstalled between them), and the
-time ``import torchfix`` adds (fresh interpreters).
+side in one process (alternating blocks, torchfix uninstalled and reinstalled between them), the
+time ``import torchfix`` adds (fresh interpreters), and on CUDA the replay rate of a ``reduce-overhead``
+compiled module (two worker processes, one with torchfix and one that never imports it, taking turns).
 
-Goal: compiled-call rate with torchfix / without >= 0.99.
+Goal: every rate with torchfix / without >= 0.995; ``import torchfix`` after torch <= 50 ms.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
             nonlocal calls
             calls += event in ("call", "c_call")
 
+        # Python 3.12 turns opcode events on when sys.settrace is called, and only once some frame has asked for
+        # them: without this line the first count of a process read 0.
+        sys._getframe().f_trace_opcodes = True
         sys.settrace(trace)
         try:
             fn()
@@ -92,30 +96,125 @@ def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
     }
 
 
-def _import_seconds(code: str, repeats: int, **env: str) -> float:
+# One process replaying a CUDA-graphed training step (forward and backward of a small MLP, compiled with
+# mode="reduce-overhead"): argv with/without torchfix, device. It warms up (compile, record), says "ready", then
+# for each number of steps read from stdin runs them and prints the steps per second.
+REPLAY_WORKER = r"""
+import sys, time
+if sys.argv[1] == "1":
+    import torchfix
+import torch
+device = sys.argv[2]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).to(device)
+x = torch.randn(64, 256, device=device)
+compiled = torch.compile(model, mode="reduce-overhead")
+def step():
+    torch.compiler.cudagraph_mark_step_begin()
+    compiled(x).square().mean().backward()
+for _ in range(20):  # compile, warm up, record the forward and backward graphs, replay
+    step()
+torch.cuda.synchronize()
+print("ready", flush=True)
+for line in sys.stdin:
+    steps = int(line)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    print(steps / (time.perf_counter() - start), flush=True)
+"""
+
+
+def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
+    """Steps per second of one thread replaying a ``reduce-overhead`` compiled module's forward and backward, with
+    torchfix and without (a process that never imports it), in turns (ABBA); the median of the rounds' ratios
+    with quartiles. Only one of the two processes runs at a time; the other waits on its pipe."""
+    if not device.startswith("cuda"):
+        return {"skipped": f"CUDA graphs need a CUDA device (--device cuda:0); this run's is {device}"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    workers = {
+        installed: subprocess.Popen(
+            [sys.executable, "-c", REPLAY_WORKER, "1" if installed else "0", device],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for installed in (True, False)
+    }
+    try:
+        for installed, proc in workers.items():
+            if proc.stdout.readline().strip() != "ready":
+                return {"failed": f"the worker {'with' if installed else 'without'} torchfix did not start"}
+
+        def rate(installed: bool) -> float:
+            proc = workers[installed]
+            proc.stdin.write(f"{steps}\n")
+            proc.stdin.flush()
+            return float(proc.stdout.readline())
+
+        with_fix, without_fix, ratios = [], [], []
+        for round_no in range(rounds):
+            order = (True, False) if round_no % 2 == 0 else (False, True)
+            rates = {installed: rate(installed) for installed in order}
+            with_fix.append(rates[True])
+            without_fix.append(rates[False])
+            ratios.append(rates[True] / rates[False])
+    finally:
+        for proc in workers.values():
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    quartiles = statistics.quantiles(ratios, n=4)
+    return {
+        "with_torchfix_per_s": statistics.median(with_fix),
+        "without_torchfix_per_s": statistics.median(without_fix),
+        "ratio": statistics.median(ratios),
+        "ratio_q1": quartiles[0],
+        "ratio_q3": quartiles[2],
+        "rounds": rounds,
+        "steps_per_block": steps,
+    }
+
+
+def _import_seconds(code: str, repeats: int, **env: str) -> list[float]:
     times = []
     for _ in range(repeats):
         environ = {**os.environ, **env}
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ)
         times.append(float(out.stdout))
-    return statistics.median(times)
+    return times
+
+
+def _median_ms(code: str, repeats: int, **env: str) -> float:
+    return 1e3 * statistics.median(_import_seconds(code, repeats, **env))
 
 
 def import_cost(repeats: int) -> dict[str, float]:
-    """Medians over ``repeats`` fresh interpreters. The first run with the cache on fills it (unless an
-    earlier one did), so its median is a warm start's."""
+    """Medians over ``repeats`` fresh interpreters (and, for ``import torchfix`` after torch with its cache, the
+    quartiles). The first run with the cache on fills it (unless an earlier one did), so its median is a warm
+    start's."""
     timed = "import time; t = time.perf_counter(); {body}; print(time.perf_counter() - t)"
     after_torch = "import torch; " + timed.format(body="import torchfix")
+    warm = [1e3 * seconds for seconds in _import_seconds(after_torch, repeats)]
+    quartiles = statistics.quantiles(warm, n=4) if len(warm) > 1 else warm * 3
     return {
-        "import_torchfix_after_torch_ms": 1e3 * _import_seconds(after_torch, repeats),
-        "import_torchfix_after_torch_uncached_ms": 1e3 * _import_seconds(after_torch, repeats, TORCHFIX_CACHE="0"),
-        "import_torchfix_after_torch_disabled_ms": 1e3 * _import_seconds(after_torch, repeats, TORCHFIX_DISABLE="1"),
-        "import_torch_ms": 1e3 * _import_seconds(timed.format(body="import torch"), repeats),
-        "import_torchfix_then_torch_ms": 1e3 * _import_seconds(timed.format(body="import torchfix, torch"), repeats),
+        "import_torchfix_after_torch_ms": statistics.median(warm),
+        "import_torchfix_after_torch_q1_ms": quartiles[0],
+        "import_torchfix_after_torch_q3_ms": quartiles[2],
+        "import_runs": repeats,
+        "import_torchfix_after_torch_uncached_ms": _median_ms(after_torch, repeats, TORCHFIX_CACHE="0"),
+        "import_torchfix_after_torch_disabled_ms": _median_ms(after_torch, repeats, TORCHFIX_DISABLE="1"),
+        "import_torch_ms": _median_ms(timed.format(body="import torch"), repeats),
+        "import_torchfix_then_torch_ms": _median_ms(timed.format(body="import torchfix, torch"), repeats),
     }
 
 
-def run(quick: bool = False) -> dict[str, object]:
+def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
     import torch
     import torch.fx._symbolic_trace as st
 
@@ -137,15 +236,19 @@ def run(quick: bool = False) -> dict[str, object]:
         "compiled_module_call": side_by_side(lambda: compiled_module(x), calls, rounds),
         "compiled_module_call_work": work_per_call(lambda: compiled_module(x)),
         "flag_read": side_by_side(predicate, calls * 10, rounds),
+        "cudagraph_replay": cudagraph_replay(device, *((20, 4) if quick else (500, 41))),
     }
-    result.update(import_cost(repeats=1 if quick else 7))
+    result.update(import_cost(repeats=1 if quick else 15))
     return result
 
 
 def table(result: dict) -> str:
     lines = [f"torch {result['torch']}, fixes {result['fixes']}"]
-    for key in ("compiled_call", "compiled_module_call", "flag_read"):
-        r = result[key]
+    for key in ("compiled_call", "compiled_module_call", "flag_read", "cudagraph_replay"):
+        r = result.get(key, {"skipped": "not measured"})
+        if "with_torchfix_per_s" not in r:
+            lines.append(f"{key:<20} {r.get('skipped') or r.get('failed')}")
+            continue
         lines.append(
             f"{key:<20} with {r['with_torchfix_per_s']:>12,.0f}/s  without {r['without_torchfix_per_s']:>12,.0f}/s"
             f"  ratio {r['ratio']:.4f} (quartiles {r['ratio_q1']:.3f} - {r['ratio_q3']:.3f})"
@@ -158,7 +261,9 @@ def table(result: dict) -> str:
             f"{work['calls_without_torchfix']} without"
         )
     lines += [
-        f"import torchfix (torch already imported): {result['import_torchfix_after_torch_ms']:.1f} ms "
+        f"import torchfix (torch already imported): {result['import_torchfix_after_torch_ms']:.1f} ms, median of "
+        f"{result['import_runs']} fresh interpreters (quartiles {result['import_torchfix_after_torch_q1_ms']:.1f} - "
+        f"{result['import_torchfix_after_torch_q3_ms']:.1f}) "
         f"(without its cache {result['import_torchfix_after_torch_uncached_ms']:.0f} ms; with every fix disabled "
         f"{result['import_torchfix_after_torch_disabled_ms']:.1f} ms)",
         f"import torch: {result['import_torch_ms']:.0f} ms; "

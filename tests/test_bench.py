@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["overhead", "coldstart", "trainer"])
+@pytest.mark.parametrize("name", ["overhead", "coldstart", "firststep", "trainer"])
 def test_benchmark_smoke(name, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench", name, "--quick", "--out", str(tmp_path)],
@@ -26,11 +26,11 @@ def test_benchmark_smoke(name, tmp_path):
     # Every configuration ran (a failed one is reported, not raised).
     assert not [row for row in result.get("rows", []) if "error" in row], result
     if name == "overhead":
-        # Counted, not timed: torchfix adds no call to a compiled call, only its fast reads of moved
-        # globals (three bytecode instructions each; torch 2.13 reads five flags and, up to nine times,
-        # the compile stance per call: 42). A compiled module's call also reads and writes its per-thread
-        # "in a compiled module" flag: a few instructions more, and still no call.
-        for key, most in (("compiled_call_work", 45), ("compiled_module_call_work", 55)):
+        # Counted, not timed: torchfix adds no call to a compiled call, only its fast reads of moved globals: a
+        # flag's is one instruction more (two on Python 3.12), an attribute of the compile stance none; torch 2.13
+        # reads is_exporting() four times per call (4 on 3.11, 10 on 3.12). A compiled module's call also reads and
+        # writes its per-thread "in a compiled module" flag, a threading.local: 3 more.
+        for key, most in (("compiled_call_work", 10), ("compiled_module_call_work", 13)):
             work = result[key]
             assert work["calls_with_torchfix"] == work["calls_without_torchfix"], (key, work)
             assert 0 <= work["opcodes_with_torchfix"] - work["opcodes_without_torchfix"] <= most, (key, work)
@@ -172,7 +172,7 @@ def test_help_names_the_benchmarks_and_an_unknown_one_is_refused():
 
     helped = bench("--help")
     assert helped.returncode == 0 and "[NAME ...]" in helped.stdout and "{[]" not in helped.stdout
-    listed = "overhead, coldstart, trainer, cudagraphs, cost, equivalence (default: all)"
+    listed = "overhead, coldstart, firststep, trainer, cudagraphs, cost, equivalence (default: all)"
     assert listed in " ".join(helped.stdout.split())
     refused = bench("nope")
     assert refused.returncode == 2 and "unknown benchmark nope: choose from overhead," in refused.stderr

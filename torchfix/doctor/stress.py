@@ -10,7 +10,11 @@ does none of it: it samples every flag torchfix makes per thread, and each sampl
 thread's state is a leak. Once the workers stop, every flag must be back at its default (a stuck flag).
 
 Each run is a fresh interpreter (``--child``); the parent runs torchfix on, then off (``TORCHFIX_DISABLE=1``),
-with the same seed, and prints errors, leaked samples and stuck state per hazard side by side.
+with the same seed, and prints errors, leaked samples and stuck state per hazard side by side. Each run first does
+every action once in its main thread (the first compiles: seconds each while Inductor's caches are cold, and the
+run that meets them first fills them for the next) and only then starts its timed window, and counts the actions
+that end inside it: a short run's counts are the soak's, not its first compiles' (``--no-warm-up`` leaves those in
+the window).
 """
 
 from __future__ import annotations
@@ -219,21 +223,37 @@ class Soak:
 
     # --- the threads ---------------------------------------------------------------------------------
 
+    def _act(self, name: str, action: Callable[[random.Random], None], rng: random.Random) -> None:
+        try:
+            action(rng)
+        except Exception as exc:
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            message = f"{name}: {type(exc).__name__}: {first_line[:160]}"
+            hazard = next((h for text, h in ERROR_HAZARDS if text in str(exc)), "other")
+            with self.lock:
+                self.errors[hazard][message] += 1
+
+    def warm_up(self) -> float:
+        """Each action once, in this thread, before the timed window: the first compiles (seconds each with
+        Inductor's caches cold) and the first export's imports, which would otherwise fill a short window and
+        count for the run that meets them first. Returns the seconds it took."""
+        start = time.monotonic()
+        rng = random.Random(self.seed)
+        for name, action, _weight in self.menu:
+            self._act(name, action, rng)
+        return time.monotonic() - start
+
     def worker(self, index: int) -> None:
         rng = random.Random(self.seed * 1000 + index)
         names, fns, weights = zip(*self.menu)
         while not self.stop.is_set():
             pick = rng.choices(range(len(fns)), weights)[0]
-            try:
-                fns[pick](rng)
-            except Exception as exc:
-                first_line = (str(exc).strip().splitlines() or [""])[0]
-                message = f"{names[pick]}: {type(exc).__name__}: {first_line[:160]}"
-                hazard = next((h for text, h in ERROR_HAZARDS if text in str(exc)), "other")
-                with self.lock:
-                    self.errors[hazard][message] += 1
-            with self.lock:
-                self.actions[names[pick]] += 1
+            self._act(names[pick], fns[pick], rng)
+            with self.lock:  # an action that ends after the window is not the window's
+                if time.monotonic() <= self.deadline:
+                    self.actions[names[pick]] += 1
+                else:
+                    self.after_window += 1
 
     def _probe_misbehaves(self) -> bool:
         try:
@@ -262,14 +282,15 @@ class Soak:
             "export trace": getattr(export_trace, "_EXPORT_MODULE_HIERARCHY", None) is not None,
         }
 
-    def run(self, seconds: float, threads: int) -> dict[str, object]:
+    def run(self, seconds: float, threads: int, warm_up: bool = True) -> dict[str, object]:
+        warm_up_s = self.warm_up() if warm_up else 0.0
         workers = [
             threading.Thread(target=self.worker, args=(i,), name=f"stress-{i}", daemon=True) for i in range(threads)
         ]
+        self.deadline, self.after_window = time.monotonic() + seconds, 0
         for thread in workers:
             thread.start()
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        while time.monotonic() < self.deadline:
             for hazard, leaked in self.flags().items():
                 counts = self.leaks[hazard]
                 counts[0] += leaked
@@ -281,6 +302,8 @@ class Soak:
         hung = [thread.name for thread in workers if thread.is_alive()]
         stuck = [hazard for hazard, set_ in self.flags(at_end=True).items() if set_]
         return {
+            "warm_up_s": round(warm_up_s, 2),
+            "after_window": self.after_window,
             "actions": dict(self.actions),
             "errors": {hazard: dict(messages) for hazard, messages in self.errors.items()},
             "leaks": {hazard: counts for hazard, counts in self.leaks.items()},
@@ -289,7 +312,9 @@ class Soak:
         }
 
 
-def child(seconds: float, threads: int, seed: int, inductor: bool, actions: list[str] | None) -> int:
+def child(
+    seconds: float, threads: int, seed: int, inductor: bool, actions: list[str] | None, warm_up: bool = True
+) -> int:
     faulthandler.enable()  # a crash inside torch prints every thread's stack
     faulthandler.dump_traceback_later(seconds + 600, exit=True)  # so does a deadlock, and ends the run
     import torch
@@ -297,7 +322,7 @@ def child(seconds: float, threads: int, seed: int, inductor: bool, actions: list
     import torchfix
 
     soak = Soak(seed, inductor, actions)
-    report = soak.run(seconds, threads)
+    report = soak.run(seconds, threads, warm_up)
     report.update(
         torch=str(torch.__version__),
         torchfix_disable=os.environ.get("TORCHFIX_DISABLE", ""),
@@ -314,6 +339,7 @@ def _run_child(args: argparse.Namespace, disable: str) -> dict[str, object]:
     command = [sys.executable, "-m", "torchfix", "stress", "--child", f"--seconds={args.seconds}"]
     command += [f"--threads={args.threads}", f"--seed={args.seed}"] + ([] if args.inductor else ["--no-inductor"])
     command += [f"--actions={args.actions}"] if args.actions else []
+    command += [] if args.warm_up else ["--no-warm-up"]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.seconds + 900)
     except subprocess.TimeoutExpired:
@@ -350,8 +376,13 @@ def table(runs: dict[str, dict[str, object]]) -> str:
             continue
         total = sum(report["actions"].values())
         lines.append(
-            f"  torch {report['torch']}; {total} actions: "
+            f"  torch {report['torch']}; {total} actions in the window: "
             + ", ".join(f"{k} {v}" for k, v in sorted(report["actions"].items()))
+        )
+        warm_up = f"warm-up before it {report['warm_up_s']:.1f} s (each action once: the first compiles)"
+        lines.append(
+            f"  {warm_up if report['warm_up_s'] else 'no warm-up: the first compiles are in the window'}; "
+            f"{report['after_window']} actions ended after it, not counted"
         )
         hazards = sorted({*report["leaks"], *report["errors"], *report["stuck"]})
         for hazard in hazards:
@@ -379,7 +410,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"stress: unknown action(s) {', '.join(unknown)}; the actions: {', '.join(ACTIONS)}", file=sys.stderr)
         return 2
     if args.child:
-        return child(args.seconds, args.threads, args.seed, args.inductor, actions)
+        return child(args.seconds, args.threads, args.seed, args.inductor, actions, args.warm_up)
     modes = {"on": "", "off": "1"}
     chosen = modes if args.torchfix == "both" else {args.torchfix: modes[args.torchfix]}
     runs = {label: _run_child(args, disable) for label, disable in chosen.items()}
@@ -395,6 +426,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torchfix", choices=("both", "on", "off"), default="both", help="which runs (default both)")
     parser.add_argument(
         "--actions", default="", help=f"comma-separated, the workers' actions (default all): {', '.join(ACTIONS)}"
+    )
+    parser.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="start the window cold: the first compiles (and their races) count in it",
     )
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one run, in this interpreter

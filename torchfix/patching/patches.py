@@ -122,7 +122,7 @@ class SourcePatch:
         if " at 0x" in settings:
             return self.edits(source)
         identity = f"{type(self).__module__}.{type(self).__qualname__}{settings}"
-        rows = cached("edits", (identity, digest(source)), lambda: [dataclasses.astuple(e) for e in self.edits(source)])
+        rows = cached("edits", (identity, digest(source)), lambda: [e.row() for e in self.edits(source)])
         return [Edit(*row) for row in rows]
 
     def apply(self) -> None:
@@ -195,9 +195,8 @@ _IMMUTABLE = (bool, int, float, str, bytes, type(None))
 class _Default:
     """A moved global's value in a thread that has not set one: what the file assigns at module level.
 
-    * an immutable literal (a flag): shared by every thread, and inlined in the fast reads;
-    * an object (``DynamoStance()``, a value its users replace, never change): one object shared by every
-      thread, kept in the module as ``<name>_default`` for the fast reads;
+    * an immutable literal (a flag), or an object (``DynamoStance()``, a value its users replace, never change):
+      one value shared by every thread, kept in the module as ``<name>_shared`` for the fast reads;
     * a mutable literal (``{}``, which its users fill in place), or an object its patch names as one its
       users change in place (a mode stack): each thread gets its own, made on its first read, and every
       read goes to the thread's.
@@ -207,12 +206,41 @@ class _Default:
     value: object = None  # the literal's value
     kind: str = "object"  # "flag", "object" or "own"
 
-    def fast_read(self, name: str, value: str, holder: str) -> str:
-        """The read of the moved global ``name`` whose per-thread value is the expression ``value``."""
+    @property
+    def truthy(self) -> bool:
+        """Whether the shared value is true: a flag's is known from the text, an object must be (checked at install)."""
+        return self.kind != "flag" or bool(self.value)
+
+    def fast_read(self, name: str, value: str, attribute: bool = False) -> str:
+        """The read of the moved global ``name`` whose per-thread value is the expression ``value`` (``attribute``:
+        a read whose attribute is read next, ``_stance.stance``).
+
+        ``<name>_shared`` holds the shared value while no thread holds one of its own, and a value of the other
+        truth while some does (:func:`per_thread_class` switches it): the read is the global's load and one jump
+        (on Python 3.11; 3.12 adds a COPY), and no call, where every thread reads the shared value. For an object,
+        that other value is an :class:`_OwnValues`, which serves attribute reads from the thread's own object: an
+        attribute read of it is the global's load alone."""
         if self.kind == "own":
             return value
-        default = self.source if self.kind == "flag" else f"{name}_default"
-        return f"({value} if {holder}.overridden else {default})"
+        if attribute and self.kind == "object":
+            return f"{name}_shared"
+        return f"({name}_shared {'or' if self.truthy else 'and'} {value})"
+
+
+class _OwnValues:
+    """What ``<name>_shared`` of an object holds while some thread holds one of its own: false, so that a read of
+    the object goes to the holder, and serving an attribute read from the calling thread's object."""
+
+    __slots__ = ("_holder", "_attr")
+
+    def __init__(self, holder: object, attr: str) -> None:
+        self._holder, self._attr = holder, attr
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(getattr(self._holder, self._attr), name)
 
 
 def _module_level_defaults(source: str, names: set[str]) -> dict[str, _Default]:
@@ -314,12 +342,17 @@ def _global_uses(source: str, filename: str, name: str) -> tuple[list[ast.Name],
     return names, declarations
 
 
+def _at(node: ast.AST) -> tuple[int, int]:
+    return node.lineno, node.col_offset
+
+
 def per_thread_class(
     holder: str,
     defaults: dict[str, object],
     factories: dict[str, Callable[[], object]],
     *,
     seen_in_backward: bool,
+    on_change: Callable[[bool], None] | None = None,
 ) -> type:
     """The holder's type: one attribute per name, with its default (``defaults``, or a value made per thread by
     ``factories``), kept per thread; the caller says whether autograd's device thread sees the values of the thread
@@ -329,18 +362,19 @@ def per_thread_class(
     (thread, name) pairs hold something else than their shared default.
 
     A per-thread read costs several times a global read, and torch reads these flags (and the compile stance) on
-    every compiled call. The rewritten reads of a global with a shared default (``defaults``) test ``overridden``
-    (a plain attribute) first and take the thread's value only while some thread has set one of its own, which is
-    rare (during a trace or an export): otherwise they cost one attribute read more than the global did, and no
-    call. Writes are rare and take a lock to keep the count exact. A thread that dies holding a non-default value
-    keeps the count above zero: reads stay correct, only slower. A global with a default of its own per thread
-    (``factories``) is read through the property every time: each thread gets its own object on its first read.
+    every compiled call. The rewritten reads of a global with a shared default (``defaults``) take the thread's
+    value only while some thread has set one of its own, which is rare (during a trace or an export): ``on_change``
+    is called (under the lock) with whether ``overridden`` is non-zero whenever that changes, and switches the
+    module global those reads test first (see ``_Default.fast_read``). Writes are rare and take a lock to keep the
+    count exact. A thread that dies holding a non-default value keeps the count above zero: reads stay correct,
+    only slower. A global with a default of its own per thread (``factories``) is read through the property every
+    time: each thread gets its own object on its first read.
 
     ``seen_in_backward=False``: a plain ``threading.local`` instead, where autograd's device thread sees the
     defaults; a class may add methods by subclassing it. For state that torch writes on every call (whether a
     compiled module's call is under way) and that means nothing in a backward: its reads and writes are attribute
-    accesses, no Python call (a property's write,
-    with its lock and the C++ stash, cost 1.7 us, against a 54 us compiled module call on the CPU machine).
+    accesses, no Python call (a property's write, with its lock and the C++ stash, cost 1.7 us, against a 54 us
+    compiled module call on the CPU machine).
     """
     if not seen_in_backward:
 
@@ -359,7 +393,10 @@ def per_thread_class(
                 space = self._spaces.make()
                 old = getattr(space, attr, default)
                 setattr(space, attr, value)
+                was = self.overridden
                 self.overridden += (value != default) - (old != default)
+                if on_change is not None and bool(was) != bool(self.overridden):
+                    on_change(bool(self.overridden))
 
         return property(get, set_)
 
@@ -532,22 +569,37 @@ class ThreadLocalGlobals(SourcePatch):
         present = self._present(_module_level_names(source))
         defaults = self._defaults(source, set(present))
         declarations: dict[int, ast.Global] = {}  # one `global a, b` may declare several moved names
+        bases = {  # names whose attribute is read next (``NAME.attr``; a dunder is the object's own)
+            _at(node.value)
+            for node in ast.walk(parse(source))
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Load)
+            and isinstance(node.value, ast.Name)
+            and not node.attr.startswith("__")
+        }
         for name, attr in present.items():
             uses, declared = _global_uses(source, self.relpath, name)
             if not uses:
                 raise ShapeError(f"{self.relpath}: no function uses the global {name}")
             value = f"{self.holder}.{attr}"
-            read = defaults[name].fast_read(name, value, self.holder) if self.seen_in_backward else value
-            edits += [replace_node(use, read if isinstance(use.ctx, ast.Load) else value) for use in uses]
+            default = defaults[name] if self.seen_in_backward else _Default("", kind="own")  # "own": read directly
+            edits += [
+                replace_node(
+                    use, default.fast_read(name, value, _at(use) in bases) if isinstance(use.ctx, ast.Load) else value
+                )
+                for use in uses
+            ]
             declarations.update((id(decl), decl) for decl in declared)
         return edits + [self._drop_declaration(source, decl, present) for decl in declarations.values()]
 
     def describe(self) -> str:
         moved = ", ".join(f"{name} -> {self.holder}.{attr}" for name, attr in self.attrs.items())
         where = f" ({', '.join(sorted(self.optional))} only where the file defines them)" if self.optional else ""
+        fast = "; a read tests `<name>_shared` first, the value every thread shares while none has its own"
         return (
             f"{self.relpath}: module globals moved to per-thread storage ({moved}){where}; "
             f"`{self.module_name}.<name>` read from other modules goes through a module __getattr__"
+            + (fast if self.seen_in_backward else "")
         )
 
     def _drop_declaration(self, source: str, decl: ast.Global, moved: dict[str, str]) -> Edit:
@@ -566,9 +618,9 @@ class ThreadLocalGlobals(SourcePatch):
         missing = [name for name in moved if name not in namespace]
         if missing or self.holder in namespace:
             raise ShapeError(f"{module.__name__}: expected globals {missing} and no {self.holder}")
-        # The file's initial values are every thread's defaults (the fast reads have the flags' inline); a
-        # value set before the install (say a flag left stuck) stays the installing thread's own, and so
-        # does the object a global holds (the stance set so far, the node meta being filled in).
+        # The file's initial values are every thread's defaults; a value set before the install (say a flag left
+        # stuck) stays the installing thread's own, and so does the object a global holds (the stance set so far,
+        # the node meta being filled in).
         defaults = self._defaults(source, set(moved))
         shared, factories = {}, {}
         for name, default in defaults.items():
@@ -578,16 +630,34 @@ class ThreadLocalGlobals(SourcePatch):
             make = eval(f"lambda: {default.source}", namespace)  # noqa: S307 (torch's own expression, in its module)
             if default.kind == "own":
                 factories[moved[name]] = make
-            elif f"{name}_default" in namespace:
-                raise ShapeError(f"{module.__name__}: already has a {name}_default")
             else:  # the module's object where it equals a fresh default (nothing set yet), so it stays shared
                 current, fresh = namespace[name], make()
-                shared[moved[name]] = namespace[f"{name}_default"] = current if current == fresh else fresh
-        holder = per_thread_class(self.holder, shared, factories, seen_in_backward=self.seen_in_backward)()
+                shared[moved[name]] = current if current == fresh else fresh
+                if not shared[moved[name]]:
+                    raise ShapeError(f"{module.__name__}.{name}: a false default, which the fast reads cannot tell")
+        fast = [name for name, default in defaults.items() if default.kind != "own" and self.seen_in_backward]
+        taken = sorted(f"{name}_shared" for name in fast if f"{name}_shared" in namespace)
+        if taken:
+            raise ShapeError(f"{module.__name__} has {', '.join(taken)} already")
+
+        def switch(some_own: bool) -> None:  # the fast reads' globals: the shared values, or "go to the holder"
+            if namespace.get(self.holder) is holder:  # not after the revert
+                namespace.update({f"{name}_shared": (own if some_own else shared)[moved[name]] for name in fast})
+
+        holder = per_thread_class(
+            self.holder, shared, factories, seen_in_backward=self.seen_in_backward, on_change=switch
+        )()
+        own = {
+            moved[name]: _OwnValues(holder, moved[name])
+            if defaults[name].kind == "object"
+            else not defaults[name].truthy
+            for name in fast
+        }
+        namespace[self.holder] = holder
+        switch(False)
         for name, attr in moved.items():
             if attr in factories or namespace[name] is not shared[attr]:
                 setattr(holder, attr, namespace[name])
-        namespace[self.holder] = holder
         _MovedGlobals.of(module).add({name: (holder, attr) for name, attr in moved.items()})
         for name in moved:
             del namespace[name]
@@ -599,7 +669,7 @@ class ThreadLocalGlobals(SourcePatch):
         # The calling thread's values become the shared globals again.
         for name, attr in self._moved.items():
             namespace[name] = getattr(holder, attr)
-            namespace.pop(f"{name}_default", None)
+            namespace.pop(f"{name}_shared", None)
         _MovedGlobals.of(module).remove(self._moved)
         self._moved = {}
 

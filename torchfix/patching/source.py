@@ -19,7 +19,7 @@ import difflib
 import functools
 import types
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
 
 from .cache import cached, digest
@@ -40,6 +40,10 @@ class Edit:
     start_col: int
     end_col: int
     text: str
+
+    def row(self) -> tuple[int, int, int, str]:
+        """The fields, in order: ``dataclasses.astuple`` deep-copies each (some 20 calls an edit, at every import)."""
+        return self.line, self.start_col, self.end_col, self.text
 
     def __post_init__(self) -> None:
         if "\n" in self.text:
@@ -357,7 +361,7 @@ class PatchedFile:
         edits = [edit for layer in layers.values() for edit in layer]
         # Parsing and compiling a torch file is most of an import's cost: kept between processes (_cache),
         # keyed by the file's path (compiled into the code) and text, and by the edits.
-        key = (filename, digest(self.source), digest(repr(sorted(astuple(e) for e in edits))))
+        key = (filename, digest(self.source), digest(repr(sorted(e.row() for e in edits))))
         new_codes, nested, outermost = cached("compiled", key, lambda: self._compile(edits))
 
         target: dict[types.FunctionType, types.CodeType] = {}
