@@ -354,6 +354,8 @@ def cuda_graphs(seen: _Seen) -> None:
         out = compiled(torch.ones(4, 8, device="cuda"))
         out.sum().backward()
         seen.tensor(f"reduce_overhead{step}", out)
+        seen.tensor(f"reduce_overhead_grad{step}", compiled.fc1.weight.grad)
+        compiled.zero_grad(set_to_none=True)  # the gradients are the graph's outputs: the next replay reuses them
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Goal: every rate with torchfix / without >= 0.995; ``import torchfix`` after tor
 
 from __future__ import annotations
 
+import compileall
 import os
 import statistics
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _rate(fn: Callable[[], object], calls: int) -> float:
@@ -112,6 +114,7 @@ compiled = torch.compile(model, mode="reduce-overhead")
 def step():
     torch.compiler.cudagraph_mark_step_begin()
     compiled(x).square().mean().backward()
+    model.zero_grad(set_to_none=True)  # the gradients are the graph's outputs: the next replay reuses their memory
 for _ in range(20):  # compile, warm up, record the forward and backward graphs, replay
     step()
 torch.cuda.synchronize()
@@ -198,6 +201,9 @@ def import_cost(repeats: int) -> dict[str, float]:
     """Medians over ``repeats`` fresh interpreters (and, for ``import torchfix`` after torch with its cache, the
     quartiles). The first run with the cache on fills it (unless an earlier one did), so its median is a warm
     start's."""
+    # torchfix's own bytecode compiled first, as pip's install does: a machine with PYTHONDONTWRITEBYTECODE set (the
+    # GPU machine) would otherwise compile its modules from source in every interpreter.
+    compileall.compile_dir(str(Path(__file__).resolve().parent.parent / "torchfix"), quiet=1)
     timed = "import time; t = time.perf_counter(); {body}; print(time.perf_counter() - t)"
     after_torch = "import torch; " + timed.format(body="import torchfix")
     warm = [1e3 * seconds for seconds in _import_seconds(after_torch, repeats)]
