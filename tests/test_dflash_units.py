@@ -425,3 +425,22 @@ def test_export_reads_as_vllm_sglang_and_both_transformers_read_it(tmp_path):
     seen = json.loads((tmp_path / "plain" / "config.json").read_text())
     assert seen["rope_theta"] == plain.rope_parameters["rope_theta"] and seen["rope_scaling"] is None
     assert seen["dflash_train"]["target"] == tmp_path.name
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(steps=0), "--steps must be at least 1 (got 0)"),
+        (dict(warmup_steps=-1), "--warmup-steps must not be negative (got -1)"),
+        (dict(lr=0.0), "--lr must be positive (got 0.0)"),
+        (dict(min_lr_ratio=1.5), "--min-lr-ratio must be in [0, 1] (got 1.5)"),
+        (dict(block_size=1), "--block-size must be at least 2 (got 1)"),  # checked after 0 became 8
+    ],
+)
+def test_each_setting_is_checked_against_the_range_beside_its_field(setting, message):
+    from dflash_train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig(**setting).resolved()
+    assert str(refused.value) == message
+    assert TrainConfig(block_size=0).resolved().block_size == 8  # 0 is "automatic", not out of range
