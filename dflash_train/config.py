@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# --fault: (raise|hang)@(target|drafter):STEP
-FAULT_SPEC = re.compile(r"^(raise|hang)@(target|drafter):(\d+)$")
 PROFILE_SPEC = re.compile(r"^(\d+):(\d+)$")
 
 
@@ -253,12 +251,6 @@ class RunSection:
     log_every: int = _opt(
         10, "without a progress bar: print the step, loss, accuracy and tokens/s every N steps", valid=AT_LEAST_1
     )
-    fault: str = _opt(
-        "",
-        "testing the error paths: make a worker fail at a step, 'raise@drafter:STEP', 'hang@target:STEP' "
-        "(raise|hang @ drafter|target; drafter faults hit the last drafter thread of the last rank); '': none",
-        metavar="SPEC",
-    )
 
 
 # The sections' order in --help; TrainConfig lists them the other way round, since a dataclass takes the fields
@@ -293,7 +285,7 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
         "num_anchors",
         "loss_gamma",
     )
-    INVOCATION_FIELDS = ("resume", "overwrite", "stop_after", "fault", "profile_steps")
+    INVOCATION_FIELDS = ("resume", "overwrite", "stop_after", "profile_steps")
 
     def resolved(self) -> TrainConfig:
         """Fill the automatic values (block size, gamma) and check ranges; raise ConfigError."""
@@ -321,8 +313,6 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
             raise ConfigError("--resume continues the run in --out-dir and --overwrite replaces it: give one of them")
         if cfg.target == "tiny":
             tap_layer_ids(TINY_TARGET_LAYERS, cfg.drafter_layers)  # refuses more drafter layers than it has to tap
-        if cfg.fault and not FAULT_SPEC.match(cfg.fault):
-            raise ConfigError(f"--fault {cfg.fault!r}: use 'raise@drafter:STEP', 'hang@target:STEP', ...")
         replicas = Ranks.from_env().world_size * cfg.drafter_thread_count()
         if cfg.batch_size % replicas != 0:
             raise ConfigError(

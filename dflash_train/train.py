@@ -14,7 +14,7 @@ import queue
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import torch
 
 import torchfix  # noqa: F401  (makes torch's compile state thread-local: threads may compile concurrently)
 
-from . import run_dir, streams
+from . import faults, run_dir, streams
 from .batch import StepBatch, make_step_batch, to_device
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ConfigError, Ranks, TrainConfig
@@ -211,6 +211,10 @@ class Trainer:
         texts = eval_prompts(corpus.held_out, cfg.eval_prompts, cfg.eval_prompt_len) if cfg.eval_prompts else []
         # Asked as the training samples were (in the chat template where the tokenizer has one).
         self.prompts = [torch.tensor(self.tokenizer.prompt(text.tolist())) for text in texts]
+        # What the threads share, made before any of them starts: failures, stop requests and step reports (the
+        # job), the replicas' barrier and gradient average (the sync).
+        self.job = Job(self.started)
+        self.sync = StepSync(self.replicas, self.job, self.collectives, cfg.grad_clip)
 
     def mfu(self, tokens_per_s: float | None) -> float | None:
         """The job's model FLOPs utilisation at ``tokens_per_s`` (see ``flops``); None without a known peak."""
@@ -233,7 +237,7 @@ class Trainer:
 
     # --- one step ---------------------------------------------------------------------------------------
 
-    def target_step(self, target: Target, step: int) -> list[StepBatch]:
+    def target_step(self, step: int, *, target: Target) -> list[StepBatch]:
         """This rank's shard of the step's batch (the job's global batch and loss normalisation are those of
         one process with all the job's replicas), with the target's hidden states: one shard per replica,
         on that replica's device."""
@@ -252,7 +256,7 @@ class Trainer:
         shards = batch.split(len(self.replicas))
         return [shard.to(device) for shard, device in zip(shards, self.drafter_devices)]
 
-    def train_step(self, index: int, batch: StepBatch) -> None:
+    def train_step(self, batch: StepBatch, *, index: int) -> None:
         """One optimizer step of replica ``index``; every replica takes its step at the same time.
 
         With CUDA graphs (--compile-mode reduce-overhead) the step begins with
@@ -384,28 +388,36 @@ class Trainer:
         watchdog and the handler of Ctrl-C and SIGTERM."""
         cfg, start, end = self.cfg, self.start, self.end
         if start >= end:
-            return _Run(start, None, None, False, {}, None)
-        job = self.job = Job(self.started)
-        self.sync = StepSync(self.replicas, job, self.collectives, cfg.grad_clip)
+            return _Run(steps_done=start, final_loss=None, tokens_per_s=None, interrupted=False)
+        job = self.job
         inboxes: list[queue.Queue] = [queue.Queue(maxsize=cfg.queue_size) for _ in self.replicas]
-        fault = cfg.fault if self.ranks.is_last else ""  # one failing rank is the interesting case
         turnstile = Turnstile(start)
         per_thread = cfg.cuda_streams == "per-thread"
+        # A fault a test armed (faults.py) hits the last rank, one failing rank being the interesting case: the
+        # target thread of its step, or the last drafter thread.
+        hit_here = self.ranks.is_last
         for i, target in enumerate(self.targets):
-            steps = range(start + i, end, len(self.targets))
-            work = partial(target_worker, job, partial(self.target_step, target), steps, turnstile, inboxes, fault)
+            work = partial(
+                target_worker,
+                job=job,
+                work=faults.injected("target", partial(self.target_step, target=target), here=hit_here),
+                steps=range(start + i, end, len(self.targets)),
+                turnstile=turnstile,
+                queues=inboxes,
+            )
             job.start(f"target-{i} ({target.device})", streams.on_own_stream(target.device, per_thread, work))
         last = len(self.replicas) - 1
         for index, device in enumerate(self.drafter_devices):
             work = partial(
                 drafter_worker,
-                job,
-                partial(self.train_step, index),
-                inboxes[index],
-                self.sync,
-                range(start, end),
+                job=job,
+                train_step=faults.injected(
+                    "drafter", partial(self.train_step, index=index), here=hit_here and index == last
+                ),
+                inbox=inboxes[index],
+                sync=self.sync,
+                steps=range(start, end),
                 after_step=self.after_step if index == 0 else None,
-                fault=fault if index == last else "",  # on the last drafter thread
             )
             job.start(f"drafter-{index} ({device})", streams.on_own_stream(device, per_thread, work))
         with Watchdog(job, cfg.watchdog_timeout), stop_on_signals(job):
@@ -467,7 +479,14 @@ class Trainer:
                     first_report = now
                     show.restart_clock()
         # Stopped early: by Ctrl-C or SIGTERM, here or on another rank (the stop decision is the job's).
-        return _Run(done, loss, rate, done < end, first_step_s, job.stop_signal)
+        return _Run(
+            steps_done=done,
+            final_loss=loss,
+            tokens_per_s=rate,
+            interrupted=done < end,
+            first_step_s=first_step_s,
+            stop_signal=job.stop_signal,
+        )
 
 
 def dynamo_summary() -> dict[str, object]:
@@ -490,11 +509,11 @@ def dynamo_summary() -> dict[str, object]:
     }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Run:
     steps_done: int
     final_loss: float | None
     tokens_per_s: float | None
     interrupted: bool
-    first_step_s: dict[str, float]
-    stop_signal: signal.Signals | None
+    first_step_s: dict[str, float] = field(default_factory=dict)
+    stop_signal: signal.Signals | None = None
