@@ -40,7 +40,7 @@ from .target import Target, load_target, prepare_target, regenerate
 from .workers import Job, StepSync, Turnstile, Watchdog, drafter_worker, stop_on_signals, target_worker
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainResult:
     steps_done: int  # optimizer steps done in total (including those before a resume)
     tau_before: float | None
@@ -54,7 +54,38 @@ class TrainResult:
     drafters: list[Drafter]  # the trained replicas, identical: drafters[0] speaks for all
     first_step_s: dict[str, float]  # seconds from the job's start to each drafter thread's first step done
     dynamo: dict[str, object]  # what torch.compile did in this process (see dynamo_summary)
+    compile_mode: str  # --compile-mode
     stop_signal: signal.Signals | None  # the signal that stopped it here (SIGINT, SIGTERM), if one did
+
+    def summary(self) -> str:
+        """The report of a job that ran to its end: steps, time, throughput and tau; each drafter thread's first
+        step; what torch.compile compiled and whether anything fell back to eager (or skipped CUDA graphs)."""
+        line = f"done: {self.steps_done} steps in {self.wall_s:.0f} s"
+        if self.tokens_per_s:
+            line += f", {self.tokens_per_s:,.0f} tokens/s"
+        if self.mfu is not None:
+            line += f" (MFU {self.mfu:.1%})"
+        if self.tau_before is not None and self.tau_after is not None:
+            line += f"; tau {self.tau_before:.2f} -> {self.tau_after:.2f}"
+        lines = [f"{line}. Outputs in {self.out_dir}: config.toml, metrics.jsonl, plot.png, checkpoint.safetensors"]
+        if self.first_step_s:
+            firsts = ", ".join(f"{thread} {s:.1f} s" for thread, s in self.first_step_s.items())
+            lines.append(f"first step done (from the job's start, compilation included): {firsts}")
+        d = self.dynamo
+        fallback = f"eager fallbacks: {d['graph_breaks']} graph breaks, {d['frames_failed']} frames not compiled"
+        line = f"{d['unique_graphs']} graphs; {fallback if d['eager_fallback'] else 'no eager fallback'}"
+        if self.compile_mode == "default":
+            lines.append(f"torch.compile: {line}")
+        else:
+            if self.compile_mode == "reduce-overhead":
+                skips = d["cudagraph_skips"]
+                line += (
+                    f"; CUDA graphs skipped {skips} times (see the warnings above)"
+                    if skips
+                    else ("; no CUDA graph skipped")
+                )
+            lines.append(f"torch.compile (mode {self.compile_mode}): {line}")
+        return "\n".join(lines)
 
 
 def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
@@ -353,19 +384,20 @@ class Trainer:
                 drafter = self.replicas[0]
                 write_export(drafter.config, drafter.state_dict(), Path(cfg.export), target_path=self.target_path)
         return TrainResult(
-            run.steps_done,
-            tau_before,
-            tau_after,
-            run.final_loss,
-            run.tokens_per_s,
-            self.mfu(run.tokens_per_s),
-            time.monotonic() - self.started,
-            run.interrupted,
-            self.out,
-            self.replicas,
-            run.first_step_s,
-            dynamo,
-            run.stop_signal,
+            steps_done=run.steps_done,
+            tau_before=tau_before,
+            tau_after=tau_after,
+            final_loss=run.final_loss,
+            tokens_per_s=run.tokens_per_s,
+            mfu=self.mfu(run.tokens_per_s),
+            wall_s=time.monotonic() - self.started,
+            interrupted=run.interrupted,
+            out_dir=self.out,
+            drafters=self.replicas,
+            first_step_s=run.first_step_s,
+            dynamo=dynamo,
+            compile_mode=cfg.compile_mode,
+            stop_signal=run.stop_signal,
         )
 
     def close(self) -> None:
