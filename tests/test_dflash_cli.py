@@ -109,11 +109,11 @@ def test_smoke_threads_compile_checkpoint(tmp_path):
     assert len(list((tmp_path / "cache").glob("regenerated-*.safetensors"))) == 1
 
 
-@pytest.mark.parametrize("role", ["drafter", "target"])
-def test_worker_exception_stops_the_job_with_its_traceback(tmp_path, role):
-    ran = run_cli([*tiny_flags(tmp_path), "--steps", "50", "--no-compile"], timeout=120, fault=f"raise@{role}:2")
+def test_worker_exception_stops_the_job_with_its_traceback(tmp_path):
+    # A drafter thread's here; a target thread's in-process (test_dflash_training), the same path to this message.
+    ran = run_cli([*tiny_flags(tmp_path), "--steps", "50", "--no-compile"], timeout=120, fault="raise@drafter:2")
     assert ran.returncode == 1, ran.stderr
-    assert f"worker thread '{role}-" in ran.stderr
+    assert "worker thread 'drafter-1 (cpu)' failed" in ran.stderr  # the last drafter thread
     assert "Traceback (most recent call last)" in ran.stderr
     assert "RuntimeError: injected fault" in ran.stderr
     assert "done:" not in ran.stdout
