@@ -79,11 +79,10 @@ class TrainResult:
         else:
             if self.compile_mode == "reduce-overhead":
                 skips = d["cudagraph_skips"]
-                line += (
-                    f"; CUDA graphs skipped {skips} times (see the warnings above)"
-                    if skips
-                    else ("; no CUDA graph skipped")
+                skipped = (
+                    f"CUDA graphs skipped {skips} times (see the warnings above)" if skips else "no CUDA graph skipped"
                 )
+                line += f"; {skipped}"
             lines.append(f"torch.compile (mode {self.compile_mode}): {line}")
         return "\n".join(lines)
 
