@@ -228,8 +228,8 @@ def run(quick: bool = False, device: str = "cpu", width: str = "tiny", counts: t
         steps, batch, seq_len = 120, 12, 256
     else:
         steps, batch, seq_len = 30, 6, 128
-    if quick:
-        counts, steps, batch, seq_len = (1, 2), 4, 2, 64
+    if quick:  # every way (threads, lock, processes) once, at 2 replicas; on CUDA 1 too (its shared-stream rows)
+        counts, steps, batch, seq_len = (1, 2) if kind == "cuda" else (2,), 4, 2, 64
         extra = (*extra, "--drafter-layers=1", "--num-anchors=2") if width == "real" else extra  # after its flags
     rows = [
         one(mode, n, device, steps, batch, seq_len, quick, compile_mode, streams, extra=extra, compile_caches=caches)

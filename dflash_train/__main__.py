@@ -124,37 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return exit_status(result.stop_signal or signal.SIGINT)
-    line = f"done: {result.steps_done} steps in {result.wall_s:.0f} s"
-    if result.tokens_per_s:
-        line += f", {result.tokens_per_s:,.0f} tokens/s"
-    if result.mfu is not None:
-        line += f" (MFU {result.mfu:.1%})"
-    if result.tau_before is not None and result.tau_after is not None:
-        line += f"; tau {result.tau_before:.2f} -> {result.tau_after:.2f}"
-    print(
-        f"{line}. Outputs in {result.out_dir}: config.toml, metrics.jsonl, plot.png, checkpoint.safetensors", flush=True
-    )
+    print(result.summary(), flush=True)
     if result.steps_done < cfg.steps:  # --stop-after
         print(
             f"stopped at step {result.steps_done} of {cfg.steps}; continue with: "
             f"{run_dir.continue_command(result.out_dir, ranks)}",
             flush=True,
         )
-    if result.first_step_s:
-        firsts = ", ".join(f"{thread} {s:.1f} s" for thread, s in result.first_step_s.items())
-        print(f"first step done (from the job's start, compilation included): {firsts}", flush=True)
-    d = result.dynamo
-    fallback = f"eager fallbacks: {d['graph_breaks']} graph breaks, {d['frames_failed']} frames not compiled"
-    line = f"{d['unique_graphs']} graphs; {fallback if d['eager_fallback'] else 'no eager fallback'}"
-    if cfg.compile_mode == "default":
-        print(f"torch.compile: {line}")
-    else:
-        if cfg.compile_mode == "reduce-overhead":
-            skips = d["cudagraph_skips"]
-            line += (
-                f"; CUDA graphs skipped {skips} times (see the warnings above)" if skips else "; no CUDA graph skipped"
-            )
-        print(f"torch.compile (mode {cfg.compile_mode}): {line}")
     return 0
 
 

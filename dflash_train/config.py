@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# --fault: (raise|hang)@(target|drafter):STEP
-FAULT_SPEC = re.compile(r"^(raise|hang)@(target|drafter):(\d+)$")
 PROFILE_SPEC = re.compile(r"^(\d+):(\d+)$")
 
 
@@ -25,8 +24,34 @@ class ConfigError(Exception):
     """A user mistake (bad flag value, missing file, incompatible checkpoint): one clear message."""
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take, ``low`` (excluded with ``above``) to ``high``; ``TrainConfig.resolved``
+    checks every field's."""
+
+    low: float
+    high: float = math.inf
+    above: bool = False
+
+    def holds(self, value: float) -> bool:
+        return (value > self.low if self.above else value >= self.low) and value <= self.high
+
+    def rule(self) -> str:
+        """What the error message says the value must be."""
+        if self.high < math.inf:
+            return f"must be in [{self.low:g}, {self.high:g}]"
+        if self.above:
+            return f"must be above {self.low:g}" if self.low else "must be positive"
+        return f"must be at least {self.low:g}" if self.low else "must not be negative"
+
+
+AT_LEAST_1, NOT_NEGATIVE, POSITIVE, FRACTION = Range(1), Range(0), Range(0, above=True), Range(0, 1)
+
+
+def _opt(default: Any, help: str, valid: Range | None = None, **extra: Any) -> Any:
+    """A setting: its default, its --help text, the values it may take (checked after the automatic values are
+    filled in), and argparse extras (``metavar``)."""
+    return field(default=default, metadata={"help": help, "valid": valid, **extra})
 
 
 @dataclass
@@ -40,7 +65,9 @@ class TargetSection:
         metavar="PATH",
     )
     tiny_target_steps: int = _opt(
-        600, "training steps of the tiny target (first run only; 0 keeps it randomly initialised)"
+        600,
+        "training steps of the tiny target (first run only; 0 keeps it randomly initialised)",
+        valid=NOT_NEGATIVE,
     )
     data: str = _opt(
         "stdlib",
@@ -54,6 +81,7 @@ class TargetSection:
         "writes): one per training sequence, a prompt from the text (in the tokenizer's chat template if it has "
         "one), the target's greedy continuation to its own EOS, padding; only the continuation is supervised. "
         "Generated once and cached. 0: train on the text itself",
+        valid=NOT_NEGATIVE,
     )
     cache_dir: str = _opt(
         str(Path.home() / ".cache" / "dflash_train"),
@@ -78,8 +106,10 @@ class DevicesSection:
     drafter_devices: str = _opt(
         "cpu", "devices of the drafter replicas: 'cpu', 'cuda:0', 'cuda:0,cuda:1'", metavar="DEVICES"
     )
-    drafter_threads_per_device: int = _opt(2, "drafter threads (data-parallel replicas) per drafter device")
-    queue_size: int = _opt(4, "bound of each drafter's queue of target hidden states (backpressure)")
+    drafter_threads_per_device: int = _opt(
+        2, "drafter threads (data-parallel replicas) per drafter device", valid=AT_LEAST_1
+    )
+    queue_size: int = _opt(4, "bound of each drafter's queue of target hidden states (backpressure)", valid=AT_LEAST_1)
     cuda_streams: str = _opt(
         "per-thread",
         "CUDA streams of the worker threads: 'per-thread' (each its own, so that a target's forward of the next "
@@ -93,25 +123,31 @@ class DevicesSection:
 class DrafterSection:
     """drafter and loss"""
 
-    drafter_layers: int = _opt(2, "decoder layers of the DFlash drafter (also the number of tapped target layers)")
-    block_size: int = _opt(0, "tokens per draft block (anchor + mask tokens); 0: 8 for the tiny target, else 16")
+    drafter_layers: int = _opt(
+        2, "decoder layers of the DFlash drafter (also the number of tapped target layers)", valid=AT_LEAST_1
+    )
+    block_size: int = _opt(
+        0, "tokens per draft block (anchor + mask tokens); 0: 8 for the tiny target, else 16", valid=Range(2)
+    )
     loss_gamma: float = _opt(0.0, "decay of the loss weight exp(-(k-1)/gamma); 0: 7 for block 16, 4 for block 8")
-    num_anchors: int = _opt(16, "anchors (draft blocks) sampled per sequence and step")
-    seq_len: int = _opt(256, "tokens per training sequence")
-    batch_size: int = _opt(8, "sequences per step, split across all drafter threads")
-    loss_chunk: int = _opt(8, "draft blocks per checkpointed chunk of the loss (full logits never exist at once)")
+    num_anchors: int = _opt(16, "anchors (draft blocks) sampled per sequence and step", valid=AT_LEAST_1)
+    seq_len: int = _opt(256, "tokens per training sequence", valid=AT_LEAST_1)
+    batch_size: int = _opt(8, "sequences per step, split across all drafter threads", valid=AT_LEAST_1)
+    loss_chunk: int = _opt(
+        8, "draft blocks per checkpointed chunk of the loss (full logits never exist at once)", valid=AT_LEAST_1
+    )
 
 
 @dataclass
 class OptimSection:
     """optimisation"""
 
-    steps: int = _opt(150, "optimizer steps of the drafter")
-    lr: float = _opt(3e-3, "peak learning rate (AdamW)")
-    warmup_steps: int = _opt(15, "linear warm-up steps before the cosine decay")
-    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of the peak")
-    weight_decay: float = _opt(0.01, "AdamW weight decay")
-    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)")
+    steps: int = _opt(150, "optimizer steps of the drafter", valid=AT_LEAST_1)
+    lr: float = _opt(3e-3, "peak learning rate (AdamW)", valid=POSITIVE)
+    warmup_steps: int = _opt(15, "linear warm-up steps before the cosine decay", valid=NOT_NEGATIVE)
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of the peak", valid=FRACTION)
+    weight_decay: float = _opt(0.01, "AdamW weight decay", valid=NOT_NEGATIVE)
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)", valid=NOT_NEGATIVE)
     seed: int = _opt(0, "seed of initialisation, data order and anchor sampling")
 
 
@@ -150,7 +186,9 @@ class CompileSection:
 class EvalSection:
     """evaluation (acceptance length tau)"""
 
-    eval_prompts: int = _opt(8, "held-out prompts for the acceptance length tau (0: skip evaluation)")
+    eval_prompts: int = _opt(
+        8, "held-out prompts for the acceptance length tau (0: skip evaluation)", valid=NOT_NEGATIVE
+    )
     eval_prompt_len: int = _opt(64, "tokens per evaluation prompt")
     eval_new_tokens: int = _opt(96, "tokens generated per evaluation prompt")
 
@@ -159,8 +197,10 @@ class EvalSection:
 class RunSection:
     """run control"""
 
-    save_every: int = _opt(50, "save a checkpoint every N steps (0: only at the end)")
-    stop_after: int = _opt(0, "stop (with a checkpoint) after N steps of this run, keeping the schedule (0: off)")
+    save_every: int = _opt(50, "save a checkpoint every N steps (0: only at the end)", valid=NOT_NEGATIVE)
+    stop_after: int = _opt(
+        0, "stop (with a checkpoint) after N steps of this run, keeping the schedule (0: off)", valid=NOT_NEGATIVE
+    )
     tensorboard: str = _opt(
         "",
         "also write the metrics (loss, accuracy, lr, tokens/s, MFU, tau) as TensorBoard events to this folder "
@@ -183,12 +223,15 @@ class RunSection:
         False, "start a new run in an --out-dir that holds one, deleting its checkpoint, metrics and plot"
     )
     watchdog_timeout: float = _opt(
-        300.0, "seconds without progress before every thread's stack is printed and the job exits (0: off)"
+        300.0,
+        "seconds without progress before every thread's stack is printed and the job exits (0: off)",
+        valid=NOT_NEGATIVE,
     )
     dist_timeout: float = _opt(
         600.0,
         "under torchrun: seconds a step's all-reduce waits for the other ranks before failing, so that a dead or "
         "stuck rank stops the job instead of hanging it",
+        valid=AT_LEAST_1,
     )
     ranks_share_devices: bool = _opt(
         False,
@@ -205,12 +248,8 @@ class RunSection:
     progress: bool = _opt(
         True, "a progress bar on a terminal; --no-progress, or output to a file: a line every --log-every steps"
     )
-    log_every: int = _opt(10, "without a progress bar: print the step, loss, accuracy and tokens/s every N steps")
-    fault: str = _opt(
-        "",
-        "testing the error paths: make a worker fail at a step, 'raise@drafter:STEP', 'hang@target:STEP' "
-        "(raise|hang @ drafter|target; drafter faults hit the last drafter thread of the last rank); '': none",
-        metavar="SPEC",
+    log_every: int = _opt(
+        10, "without a progress bar: print the step, loss, accuracy and tokens/s every N steps", valid=AT_LEAST_1
     )
 
 
@@ -246,7 +285,7 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
         "num_anchors",
         "loss_gamma",
     )
-    INVOCATION_FIELDS = ("resume", "overwrite", "stop_after", "fault", "profile_steps")
+    INVOCATION_FIELDS = ("resume", "overwrite", "stop_after", "profile_steps")
 
     def resolved(self) -> TrainConfig:
         """Fill the automatic values (block size, gamma) and check ranges; raise ConfigError."""
@@ -256,41 +295,12 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
         if cfg.loss_gamma == 0:
             # The DFlash recipe: gamma 7 for block 16, 4 for block 8; linear in between and beyond.
             cfg.loss_gamma = max(1.0, 4.0 + 3.0 * (cfg.block_size - 8) / 8)
-        positive = (
-            "drafter_layers",
-            "drafter_threads_per_device",
-            "queue_size",
-            "num_anchors",
-            "seq_len",
-            "batch_size",
-            "loss_chunk",
-            "steps",
-            "dist_timeout",
-            "log_every",
-        )
-        for name in positive:
-            if getattr(cfg, name) < 1:
-                raise ConfigError(f"--{_flag(name)} must be at least 1 (got {getattr(cfg, name)})")
-        nonneg = (
-            "tiny_target_steps",
-            "regenerate",
-            "warmup_steps",
-            "eval_prompts",
-            "save_every",
-            "stop_after",
-            "grad_clip",
-            "watchdog_timeout",
-            "weight_decay",
-        )
-        for name in nonneg:
-            if getattr(cfg, name) < 0:
-                raise ConfigError(f"--{_flag(name)} must not be negative (got {getattr(cfg, name)})")
-        if cfg.block_size < 2:
-            raise ConfigError(f"--block-size must be at least 2 (got {cfg.block_size})")
+        for f in _fields():  # each field's range, beside it
+            value, valid = getattr(cfg, f.name), f.metadata["valid"]
+            if valid is not None and not valid.holds(value):
+                raise ConfigError(f"--{_flag(f.name)} {valid.rule()} (got {value})")
         if cfg.seq_len < cfg.block_size + 1:
             raise ConfigError(f"--seq-len ({cfg.seq_len}) must exceed --block-size ({cfg.block_size})")
-        if not 0 <= cfg.min_lr_ratio <= 1 or cfg.lr <= 0:
-            raise ConfigError("--lr must be positive and --min-lr-ratio in [0, 1]")
         parse_devices(cfg.target_devices, "--target-devices")
         check_compile_mode(cfg)
         if cfg.cuda_streams not in CUDA_STREAMS:
@@ -303,8 +313,6 @@ class TrainConfig(RunSection, EvalSection, CompileSection, OptimSection, Drafter
             raise ConfigError("--resume continues the run in --out-dir and --overwrite replaces it: give one of them")
         if cfg.target == "tiny":
             tap_layer_ids(TINY_TARGET_LAYERS, cfg.drafter_layers)  # refuses more drafter layers than it has to tap
-        if cfg.fault and not FAULT_SPEC.match(cfg.fault):
-            raise ConfigError(f"--fault {cfg.fault!r}: use 'raise@drafter:STEP', 'hang@target:STEP', ...")
         replicas = Ranks.from_env().world_size * cfg.drafter_thread_count()
         if cfg.batch_size % replicas != 0:
             raise ConfigError(

@@ -8,15 +8,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import os
 import queue
 import signal
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -24,11 +22,12 @@ import torch
 
 import torchfix  # noqa: F401  (makes torch's compile state thread-local: threads may compile concurrently)
 
-from . import run_dir, streams
+from . import faults, run_dir, streams
 from .batch import StepBatch, make_step_batch, to_device
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import ConfigError, Ranks, TrainConfig, parse_devices
+from .config import ConfigError, Ranks, TrainConfig
 from .data import TrainingData, eval_prompts
+from .devices import cpu_thread_budget, cuda_offset, peak_memory, resolve_devices
 from .distributed import Collectives
 from .evaluate import acceptance_length, show_blocks
 from .export import write_export
@@ -41,7 +40,7 @@ from .target import Target, load_target, prepare_target, regenerate
 from .workers import Job, StepSync, Turnstile, Watchdog, drafter_worker, stop_on_signals, target_worker
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainResult:
     steps_done: int  # optimizer steps done in total (including those before a resume)
     tau_before: float | None
@@ -55,7 +54,37 @@ class TrainResult:
     drafters: list[Drafter]  # the trained replicas, identical: drafters[0] speaks for all
     first_step_s: dict[str, float]  # seconds from the job's start to each drafter thread's first step done
     dynamo: dict[str, object]  # what torch.compile did in this process (see dynamo_summary)
+    compile_mode: str  # --compile-mode
     stop_signal: signal.Signals | None  # the signal that stopped it here (SIGINT, SIGTERM), if one did
+
+    def summary(self) -> str:
+        """The report of a job that ran to its end: steps, time, throughput and tau; each drafter thread's first
+        step; what torch.compile compiled and whether anything fell back to eager (or skipped CUDA graphs)."""
+        line = f"done: {self.steps_done} steps in {self.wall_s:.0f} s"
+        if self.tokens_per_s:
+            line += f", {self.tokens_per_s:,.0f} tokens/s"
+        if self.mfu is not None:
+            line += f" (MFU {self.mfu:.1%})"
+        if self.tau_before is not None and self.tau_after is not None:
+            line += f"; tau {self.tau_before:.2f} -> {self.tau_after:.2f}"
+        lines = [f"{line}. Outputs in {self.out_dir}: config.toml, metrics.jsonl, plot.png, checkpoint.safetensors"]
+        if self.first_step_s:
+            firsts = ", ".join(f"{thread} {s:.1f} s" for thread, s in self.first_step_s.items())
+            lines.append(f"first step done (from the job's start, compilation included): {firsts}")
+        d = self.dynamo
+        fallback = f"eager fallbacks: {d['graph_breaks']} graph breaks, {d['frames_failed']} frames not compiled"
+        line = f"{d['unique_graphs']} graphs; {fallback if d['eager_fallback'] else 'no eager fallback'}"
+        if self.compile_mode == "default":
+            lines.append(f"torch.compile: {line}")
+        else:
+            if self.compile_mode == "reduce-overhead":
+                skips = d["cudagraph_skips"]
+                skipped = (
+                    f"CUDA graphs skipped {skips} times (see the warnings above)" if skips else "no CUDA graph skipped"
+                )
+                line += f"; {skipped}"
+            lines.append(f"torch.compile (mode {self.compile_mode}): {line}")
+        return "\n".join(lines)
 
 
 def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
@@ -68,49 +97,6 @@ def lr_schedule(cfg: TrainConfig) -> Callable[[int], float]:
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     return lr_at
-
-
-def cuda_offset(cfg: TrainConfig, ranks: Ranks) -> int:
-    """How far this rank shifts the CUDA indices of the device flags, which name devices as one rank
-    sees them: local rank L uses cuda:(i + L * N) for cuda:i, N = the highest index named + 1 (the
-    number of GPUs one rank uses, when they are cuda:0..N-1), so the ranks of a host share no GPU."""
-    if cfg.ranks_share_devices:
-        return 0
-    names = [n for spec in (cfg.target_devices, cfg.drafter_devices) for n in parse_devices(spec, "devices")]
-    indices = [int(n.partition(":")[2] or 0) for n in names if n.startswith("cuda")]
-    return ranks.local_rank * (max(indices) + 1) if indices else 0
-
-
-def resolve_devices(spec: str, flag: str, offset: int = 0) -> list[torch.device]:
-    devices = []
-    for name in parse_devices(spec, flag):
-        device = torch.device(name)
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ConfigError(f"{flag}: {name} asked for, but CUDA is not available here")
-            index = (device.index or 0) + offset
-            if index >= torch.cuda.device_count():
-                shifted = f" (cuda:{index} on this local rank)" if offset else ""
-                raise ConfigError(f"{flag}: {name}{shifted} does not exist ({torch.cuda.device_count()} CUDA devices)")
-            device = torch.device("cuda", index)
-        devices.append(device)
-    return devices
-
-
-@contextlib.contextmanager
-def cpu_thread_budget(cpu_workers: int) -> Iterator[None]:
-    """Share the cores among the worker threads that compute on the CPU (of all ranks on this host).
-
-    torch's intra-op thread count is process-wide: with its default (all cores) in each of several
-    worker threads, OpenMP teams oversubscribe the cores and spin waiting for each other."""
-    before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if cpu_workers > 1:
-        torch.set_num_threads(max(1, cores // cpu_workers))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def frozen_heads(targets: list[Target], devices: set[torch.device]) -> dict[torch.device, tuple]:
@@ -255,6 +241,10 @@ class Trainer:
         texts = eval_prompts(corpus.held_out, cfg.eval_prompts, cfg.eval_prompt_len) if cfg.eval_prompts else []
         # Asked as the training samples were (in the chat template where the tokenizer has one).
         self.prompts = [torch.tensor(self.tokenizer.prompt(text.tolist())) for text in texts]
+        # What the threads share, made before any of them starts: failures, stop requests and step reports (the
+        # job), the replicas' barrier and gradient average (the sync).
+        self.job = Job(self.started)
+        self.sync = StepSync(self.replicas, self.job, self.collectives, cfg.grad_clip)
 
     def mfu(self, tokens_per_s: float | None) -> float | None:
         """The job's model FLOPs utilisation at ``tokens_per_s`` (see ``flops``); None without a known peak."""
@@ -277,7 +267,7 @@ class Trainer:
 
     # --- one step ---------------------------------------------------------------------------------------
 
-    def target_step(self, target: Target, step: int) -> list[StepBatch]:
+    def target_step(self, step: int, *, target: Target) -> list[StepBatch]:
         """This rank's shard of the step's batch (the job's global batch and loss normalisation are those of
         one process with all the job's replicas), with the target's hidden states: one shard per replica,
         on that replica's device."""
@@ -296,7 +286,7 @@ class Trainer:
         shards = batch.split(len(self.replicas))
         return [shard.to(device) for shard, device in zip(shards, self.drafter_devices)]
 
-    def train_step(self, index: int, batch: StepBatch) -> None:
+    def train_step(self, batch: StepBatch, *, index: int) -> None:
         """One optimizer step of replica ``index``; every replica takes its step at the same time.
 
         With CUDA graphs (--compile-mode reduce-overhead) the step begins with
@@ -393,19 +383,20 @@ class Trainer:
                 drafter = self.replicas[0]
                 write_export(drafter.config, drafter.state_dict(), Path(cfg.export), target_path=self.target_path)
         return TrainResult(
-            run.steps_done,
-            tau_before,
-            tau_after,
-            run.final_loss,
-            run.tokens_per_s,
-            self.mfu(run.tokens_per_s),
-            time.monotonic() - self.started,
-            run.interrupted,
-            self.out,
-            self.replicas,
-            run.first_step_s,
-            dynamo,
-            run.stop_signal,
+            steps_done=run.steps_done,
+            tau_before=tau_before,
+            tau_after=tau_after,
+            final_loss=run.final_loss,
+            tokens_per_s=run.tokens_per_s,
+            mfu=self.mfu(run.tokens_per_s),
+            wall_s=time.monotonic() - self.started,
+            interrupted=run.interrupted,
+            out_dir=self.out,
+            drafters=self.replicas,
+            first_step_s=run.first_step_s,
+            dynamo=dynamo,
+            compile_mode=cfg.compile_mode,
+            stop_signal=run.stop_signal,
         )
 
     def close(self) -> None:
@@ -428,28 +419,36 @@ class Trainer:
         watchdog and the handler of Ctrl-C and SIGTERM."""
         cfg, start, end = self.cfg, self.start, self.end
         if start >= end:
-            return _Run(start, None, None, False, {}, None)
-        job = self.job = Job(self.started)
-        self.sync = StepSync(self.replicas, job, self.collectives, cfg.grad_clip)
+            return _Run(steps_done=start, final_loss=None, tokens_per_s=None, interrupted=False)
+        job = self.job
         inboxes: list[queue.Queue] = [queue.Queue(maxsize=cfg.queue_size) for _ in self.replicas]
-        fault = cfg.fault if self.ranks.is_last else ""  # one failing rank is the interesting case
         turnstile = Turnstile(start)
         per_thread = cfg.cuda_streams == "per-thread"
+        # A fault a test armed (faults.py) hits the last rank, one failing rank being the interesting case: the
+        # target thread of its step, or the last drafter thread.
+        hit_here = self.ranks.is_last
         for i, target in enumerate(self.targets):
-            steps = range(start + i, end, len(self.targets))
-            work = partial(target_worker, job, partial(self.target_step, target), steps, turnstile, inboxes, fault)
+            work = partial(
+                target_worker,
+                job=job,
+                work=faults.injected("target", partial(self.target_step, target=target), here=hit_here),
+                steps=range(start + i, end, len(self.targets)),
+                turnstile=turnstile,
+                queues=inboxes,
+            )
             job.start(f"target-{i} ({target.device})", streams.on_own_stream(target.device, per_thread, work))
         last = len(self.replicas) - 1
         for index, device in enumerate(self.drafter_devices):
             work = partial(
                 drafter_worker,
-                job,
-                partial(self.train_step, index),
-                inboxes[index],
-                self.sync,
-                range(start, end),
+                job=job,
+                train_step=faults.injected(
+                    "drafter", partial(self.train_step, index=index), here=hit_here and index == last
+                ),
+                inbox=inboxes[index],
+                sync=self.sync,
+                steps=range(start, end),
                 after_step=self.after_step if index == 0 else None,
-                fault=fault if index == last else "",  # on the last drafter thread
             )
             job.start(f"drafter-{index} ({device})", streams.on_own_stream(device, per_thread, work))
         with Watchdog(job, cfg.watchdog_timeout), stop_on_signals(job):
@@ -511,18 +510,14 @@ class Trainer:
                     first_report = now
                     show.restart_clock()
         # Stopped early: by Ctrl-C or SIGTERM, here or on another rank (the stop decision is the job's).
-        return _Run(done, loss, rate, done < end, first_step_s, job.stop_signal)
-
-
-def peak_memory(devices: set[torch.device]) -> dict[str, float]:
-    """This process's peak memory in GiB: allocated by torch on each CUDA device, and resident (host)."""
-    peaks = {str(d): torch.cuda.max_memory_allocated(d) / 2**30 for d in sorted(devices, key=str) if d.type == "cuda"}
-    try:
-        import resource  # Unix only
-    except ImportError:
-        return peaks
-    peaks["host_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    return peaks
+        return _Run(
+            steps_done=done,
+            final_loss=loss,
+            tokens_per_s=rate,
+            interrupted=done < end,
+            first_step_s=first_step_s,
+            stop_signal=job.stop_signal,
+        )
 
 
 def dynamo_summary() -> dict[str, object]:
@@ -545,11 +540,11 @@ def dynamo_summary() -> dict[str, object]:
     }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Run:
     steps_done: int
     final_loss: float | None
     tokens_per_s: float | None
     interrupted: bool
-    first_step_s: dict[str, float]
-    stop_signal: signal.Signals | None
+    first_step_s: dict[str, float] = field(default_factory=dict)
+    stop_signal: signal.Signals | None = None

@@ -27,7 +27,6 @@ import torch
 
 from . import streams
 from .batch import StepBatch
-from .config import FAULT_SPEC
 from .distributed import Collectives
 from .files import OutOfSpace
 from .model import Drafter
@@ -114,19 +113,6 @@ class Job:
                 self.check()
 
 
-# --- faults, for testing the error paths ------------------------------------------------------------
-
-
-def inject_fault(spec: str, role: str, step: int) -> None:
-    """Fail on purpose where ``spec`` ('raise@drafter:3', 'hang@target:0') says."""
-    m = FAULT_SPEC.match(spec)
-    if not m or m.group(2) != role or int(m.group(3)) != step:
-        return
-    if m.group(1) == "raise":
-        raise RuntimeError(f"injected fault: {role} worker at step {step}")
-    threading.Event().wait()  # hang forever; only the watchdog ends this
-
-
 # --- target side --------------------------------------------------------------------------------------
 
 
@@ -151,17 +137,16 @@ class Turnstile:
 
 
 def target_worker(
+    *,
     job: Job,
     work: Callable[[int], list[StepBatch]],
     steps: range,
     turnstile: Turnstile,
     queues: list[queue.Queue],
-    fault: str,
 ) -> None:
     """For each of ``steps``: ``work(step)`` (one shard per drafter replica), then the shards into the
     replicas' queues, in step order, each with the event its replica's stream waits for."""
     for step in steps:
-        inject_fault(fault, "target", step)
         shards = work(step)
         for shard in shards:
             shard.ready = streams.record(shard.device)
@@ -284,14 +269,13 @@ class StepSync:
 
 
 def drafter_worker(
+    *,
     job: Job,
     train_step: Callable[[StepBatch], None],
     inbox: queue.Queue,
     sync: StepSync,
     steps: range,
-    *,
-    after_step: Callable[[int, bool], None] | None,
-    fault: str,
+    after_step: Callable[[int, bool], None] | None = None,
 ) -> None:
     """``train_step`` on each batch of ``inbox``, for ``steps``, and ``after_step(done, last)`` after each
     (replica 0: reports, checkpoints) with the number of steps done and whether the run ends there. Each
@@ -299,7 +283,6 @@ def drafter_worker(
     start). Every replica leaves after the same step: the last, or the one the barrier's stop decision
     (Ctrl-C on any rank) ends."""
     for step in steps:
-        inject_fault(fault, "drafter", step)
         batch: StepBatch = job.get(inbox)  # type: ignore[assignment]
         assert batch.step == step, f"{threading.current_thread().name} expected step {step}, got {batch.step}"
         streams.wait(batch.ready, batch.device, batch.tensors().values())  # the target's stream made them

@@ -95,7 +95,7 @@ def test_resumed_two_rank_run_continues_exactly(two_ranks):
 
 
 def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
-    ran = run_cli([*flags(tmp_path, "run"), "--steps", "100", "--fault", "raise@drafter:2"], launcher=TWO_RANKS)
+    ran = run_cli([*flags(tmp_path, "run"), "--steps", "100"], launcher=TWO_RANKS, fault="raise@drafter:2")
     assert ran.returncode != 0
     assert "dflash-train (rank 1): worker thread 'drafter-0 (cpu)' failed" in ran.stderr, ran.stderr
     assert "RuntimeError: injected fault: drafter worker at step 2" in ran.stderr

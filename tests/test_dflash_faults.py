@@ -65,7 +65,7 @@ def test_a_killed_run_resumes_with_consistent_metrics_and_no_leftovers(tmp_path)
     run, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
     flags = [*tiny_flags(tmp_path), "--no-compile", "--eval-prompts", "0", "--save-every", "4"]
     # Steps 1 to 6 done, the checkpoint of step 4 saved, and no further: a drafter hangs in step 7.
-    proc = start_training([*flags, "--steps", "100000", "--fault", "hang@drafter:6"], metrics)
+    proc = start_training([*flags, "--steps", "100000"], metrics, fault="hang@drafter:6")
     try:
         # As a new run (the folder holds a run) and as --resume (no checkpoint yet): the lock is what they hear.
         for again in ([], ["--resume"]):

@@ -14,12 +14,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dflash_train.config import ConfigError, TrainConfig
-from dflash_train.train import train
+from dflash_train.train import TrainResult, train
 from dflash_train.workers import WorkerFailed
 
 
-@pytest.fixture
-def tiny(tmp_path_factory) -> TrainConfig:
+def tiny_config(tmp_path_factory) -> TrainConfig:
     """A few-second run: untrained tiny target, short sequences, eager layers, no evaluation."""
     return TrainConfig(
         tiny_target_steps=0,
@@ -40,6 +39,17 @@ def tiny(tmp_path_factory) -> TrainConfig:
     )
 
 
+@pytest.fixture
+def tiny(tmp_path_factory) -> TrainConfig:
+    return tiny_config(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> TrainResult:
+    """The tiny run, uninterrupted (2 drafter threads): trained once for the tests that only read it."""
+    return train(tiny_config(tmp_path_factory))
+
+
 def weights(drafter) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in drafter.state_dict().items()}
 
@@ -56,23 +66,22 @@ def test_replicas_stay_identical(tiny):
             assert torch.equal(value, first[name]), f"replicas differ in {name}"
 
 
-def test_two_threads_on_half_batches_match_one_thread(tiny):
+def test_two_threads_on_half_batches_match_one_thread(tiny, straight):
     one = train(dataclasses.replace(tiny, drafter_threads_per_device=1, out_dir=tiny.out_dir + "-one"))
-    two = train(dataclasses.replace(tiny, drafter_threads_per_device=2, out_dir=tiny.out_dir + "-two"))
+    two = straight
+    assert len(two.drafters) == 2
     assert one.final_loss == pytest.approx(two.final_loss, rel=1e-4)
     a, b = weights(one.drafters[0]), weights(two.drafters[0])
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=2e-4, rtol=1e-3, msg=f"{name} differs")
 
 
-def test_resume_continues_exactly(tiny):
-    straight = dataclasses.replace(tiny, out_dir=tiny.out_dir + "-straight")
-    train(straight)
+def test_resume_continues_exactly(tiny, straight):
     cut = dataclasses.replace(tiny, out_dir=tiny.out_dir + "-cut", stop_after=2)
     assert train(cut).steps_done == 2
     resumed = train(dataclasses.replace(cut, stop_after=0, resume=True))
     assert resumed.steps_done == tiny.steps
-    a = load_file(straight.out_dir + "/checkpoint.safetensors")
+    a = load_file(straight.out_dir / "checkpoint.safetensors")
     b = load_file(cut.out_dir + "/checkpoint.safetensors")
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     for name in a:  # weights and optimizer state, bit for bit
@@ -266,6 +275,17 @@ def test_a_failure_inside_the_compiled_layer_stops_the_job(tiny, cudagraph_code_
         train(cfg)
     assert "RuntimeError: failure inside the compiled layer" in str(failed.value)
     assert "Traceback (most recent call last)" in str(failed.value)
+
+
+def test_a_target_worker_exception_stops_the_job_with_its_traceback(tiny, monkeypatch):
+    from dflash_train import faults
+
+    monkeypatch.setattr(faults, "armed", None)  # disarmed again after the test
+    faults.arm("raise@target:2")
+    with pytest.raises(WorkerFailed, match=r"worker thread 'target-0 \(cpu\)' failed") as failed:
+        train(dataclasses.replace(tiny, steps=50))
+    assert "Traceback (most recent call last)" in str(failed.value)
+    assert "RuntimeError: injected fault: target worker at step 2" in str(failed.value)
 
 
 # --- export: the folder DFlash serving code loads (issue 15) ----------------------------------------------

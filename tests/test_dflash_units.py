@@ -425,3 +425,42 @@ def test_export_reads_as_vllm_sglang_and_both_transformers_read_it(tmp_path):
     seen = json.loads((tmp_path / "plain" / "config.json").read_text())
     assert seen["rope_theta"] == plain.rope_parameters["rope_theta"] and seen["rope_scaling"] is None
     assert seen["dflash_train"]["target"] == tmp_path.name
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(steps=0), "--steps must be at least 1 (got 0)"),
+        (dict(warmup_steps=-1), "--warmup-steps must not be negative (got -1)"),
+        (dict(lr=0.0), "--lr must be positive (got 0.0)"),
+        (dict(min_lr_ratio=1.5), "--min-lr-ratio must be in [0, 1] (got 1.5)"),
+        (dict(block_size=1), "--block-size must be at least 2 (got 1)"),  # checked after 0 became 8
+    ],
+)
+def test_each_setting_is_checked_against_the_range_beside_its_field(setting, message):
+    from dflash_train.config import TrainConfig
+
+    with pytest.raises(ConfigError) as refused:
+        TrainConfig(**setting).resolved()
+    assert str(refused.value) == message
+    assert TrainConfig(block_size=0).resolved().block_size == 8  # 0 is "automatic", not out of range
+
+
+def test_the_end_of_run_summary_names_steps_tau_first_steps_and_compilation():
+    from pathlib import Path
+
+    from dflash_train.train import TrainResult
+
+    dynamo = dict(unique_graphs=4, graph_breaks=1, frames_failed=0, eager_fallback=True, cudagraph_skips=2)
+    result = TrainResult(
+        steps_done=3, tau_before=1.5, tau_after=2.25, final_loss=1.0, tokens_per_s=12345.6, mfu=None, wall_s=61.7,
+        interrupted=False, out_dir=Path("/runs/a"), drafters=[], first_step_s={"drafter-0 (cuda:0)": 9.04},
+        dynamo=dynamo, compile_mode="reduce-overhead", stop_signal=None,
+    )  # fmt: skip
+    assert result.summary().splitlines() == [
+        "done: 3 steps in 62 s, 12,346 tokens/s; tau 1.50 -> 2.25. Outputs in /runs/a: config.toml, metrics.jsonl, "
+        "plot.png, checkpoint.safetensors",
+        "first step done (from the job's start, compilation included): drafter-0 (cuda:0) 9.0 s",
+        "torch.compile (mode reduce-overhead): 4 graphs; eager fallbacks: 1 graph breaks, 0 frames not compiled; "
+        "CUDA graphs skipped 2 times (see the warnings above)",
+    ]
