@@ -4,8 +4,10 @@ torchfix promises that one thread sees torch exactly as without it. This runs to
 in the wheel: ``torch.testing._internal.common_methods_invocations.op_db``) twice, each in a fresh interpreter, with
 torchfix and with ``TORCHFIX_DISABLE=1``, and compares per operator what a user can see: for its first sample input,
 through ``torch.compile(backend="aot_eager")`` (the output, the graphs Dynamo made and their code, graph breaks,
-recompiles, the error message) and through ``make_fx`` (the graph's code, the error). Any difference is listed.
-``--quick`` (what the test suite runs) takes every 25th operator.
+recompiles, the error message) and through ``make_fx`` (the graph's code, the error). Then, the same way, each API a
+fix patches used in one thread as torch's docs show it (``bench/equivalence_apis.py``: outputs, graph code, graph
+breaks, recompiles, the guards and recompile reasons Dynamo logs, errors). Any difference is listed.
+``--quick`` (what the test suite runs) takes every 25th operator and every API case.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# Run in a fresh interpreter: ``{every}`` is the stride through op_db, ``{out}`` the JSON file to write.
+# ``python -c CORPUS OUT STRIDE`` (a fresh interpreter) writes to OUT what every STRIDE-th operator of op_db showed.
 CORPUS = r"""
 import json, sys, warnings
 import torchfix, torch
@@ -95,18 +97,20 @@ def case(op):
 
 
 results = {}
-for op in op_db[::{every}]:
+for op in op_db[::int(sys.argv[2])]:
     name = f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
     try:
         results[name] = case(op)
     except Exception as exc:  # the sample itself could not be made
         results[name] = {"sample": error(exc)}
-with open({out!r}, "w") as f:
+with open(sys.argv[1], "w") as f:
     json.dump(results, f)
 """
 
 
-def _corpus(every: int, disable: bool, timeout: float) -> dict:
+def _observed(what: str, program: list[str], disable: bool, timeout: float) -> dict:
+    """What ``python program[0] program[1] OUT program[2:]`` wrote to OUT (a JSON file), run in a fresh interpreter
+    with torchfix, or with ``TORCHFIX_DISABLE=1``."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "results.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
@@ -115,35 +119,44 @@ def _corpus(every: int, disable: bool, timeout: float) -> dict:
         env |= {"TORCHINDUCTOR_CACHE_DIR": folder, "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONHASHSEED": "0"}
         if disable:
             env["TORCHFIX_DISABLE"] = "1"
-        code = CORPUS.replace("{every}", str(every)).replace("{out!r}", repr(str(out)))
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+        command = [sys.executable, *program[:2], str(out), *program[2:]]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"the corpus run failed ({'off' if disable else 'on'}):\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"the {what} run failed ({'off' if disable else 'on'}):\n{proc.stderr[-3000:]}")
         return json.loads(out.read_text())
+
+
+def _differences(what: str, program: list[str], timeout: float, prefix: str = "") -> tuple[dict, dict]:
+    """Both runs of ``program``: what the run without torchfix saw, and each case that differs with torchfix."""
+    with_fix, without = _observed(what, program, False, timeout), _observed(what, program, True, timeout)
+    differ = {
+        prefix + name: {"with torchfix": with_fix.get(name), "without": without.get(name)}
+        for name in sorted(set(with_fix) | set(without))
+        if with_fix.get(name) != without.get(name)
+    }
+    return without, differ
 
 
 def run(quick: bool = False, every: int | None = None, timeout: float = 3600) -> dict:
     """Both runs and their differences, per operator."""
     every = every or (25 if quick else 1)
-    with_fix, without = _corpus(every, disable=False, timeout=timeout), _corpus(every, disable=True, timeout=timeout)
-    differ = {
-        name: {"with torchfix": with_fix.get(name), "without": without.get(name)}
-        for name in sorted(set(with_fix) | set(without))
-        if with_fix.get(name) != without.get(name)
-    }
+    without, differ = _differences("OpInfo corpus", ["-c", CORPUS, str(every)], timeout)
+    apis, api_differ = _differences("API corpus", ["-m", "bench.equivalence_apis"], timeout, prefix="api: ")
     cases = [c for c in without.values() if c and "sample" not in c]
     return {
         "torch": importlib.metadata.version("torch"),
         "operators": len(without),
         "compiled": sum(1 for c in cases if not str(c.get("compile")).startswith(("Unsupported", "RuntimeError"))),
         "graphs": sum(len(c.get("graphs", [])) for c in cases),
-        "differences": differ,
+        "api_cases": sorted(apis),
+        "differences": differ | api_differ,
     }
 
 
 def table(result: dict) -> str:
     lines = [
         f"operators: {result['operators']} (compiled: {result['compiled']}, graphs: {result['graphs']})",
+        f"API cases: {len(result['api_cases'])} ({', '.join(result['api_cases'])})",
         f"differences with torchfix and without: {len(result['differences'])}",
     ]
     lines += [f"  {name}" for name in result["differences"]]

@@ -176,3 +176,15 @@ def test_help_names_the_benchmarks_and_an_unknown_one_is_refused():
     assert listed in " ".join(helped.stdout.split())
     refused = bench("nope")
     assert refused.returncode == 2 and "unknown benchmark nope: choose from overhead," in refused.stderr
+
+
+def test_every_fix_is_used_by_a_case_of_the_equivalence_run():
+    """Each fix's patched code runs in at least one API case of the equivalence run, and each case names real
+    fixes only."""
+    from conftest import _declared
+
+    from bench.equivalence_apis import CASES
+
+    named = {name for case in CASES for name in case.fixes}
+    fixes = {fix["name"] for fix in _declared["fixes"]}
+    assert named == fixes, {"not used by a case": fixes - named, "not a fix": named - fixes}

@@ -12,8 +12,10 @@ Two switches of the local_map higher-order op (torch 2.10+, used by AutoParallel
   thread's Dynamo trace wraps ``local_map`` functions in the higher-order op.
 
 The global moves to per-thread storage (``local_map._defer_inlining_tls``) with :class:`ThreadLocalGlobals`. The
-class attribute's two users, ``enable()`` and ``should_wrap_in_hop()``, read and write a per-thread holder
-(``higher_order_ops._local_map_wrapping``) instead; the class attribute itself stays at False.
+class attribute stays torch's, so that a direct read sees in one thread what it sees without torchfix, but
+``enable()`` sets it as a counted override (``torchfix._switches``: overlapping entries in several threads leave it
+as found) and ``should_wrap_in_hop()`` reads the calling thread's own setting: its entry's, else the value before
+the first entry (a direct write made outside any entry is seen).
 
 Where the value is read matters: ``LocalMapAutogradOp.backward`` calls local_map again (its Fake kernel, when a
 joint graph is traced), and backward can run on autograd's device thread (CUDA), which before torch 2.13 has a
@@ -35,9 +37,9 @@ from ..patching.patches import (
     ThreadLocalGlobals,
     accesses_left,
     moved_global_probe,
-    per_thread_class,
 )
-from ..patching.source import Edit, ShapeError, definition, definitions, find_replaced, parse, replace_node, segment
+from ..patching.source import Edit, ShapeError, definition, find_replaced, parse, replace_node
+from ..patching.switches import Override, Switch, own_value
 
 LOCAL_MAP = "torch._higher_order_ops.local_map"
 FLAG, HOLDER = "_DEFER_INLINING", "_defer_inlining_tls"
@@ -79,44 +81,84 @@ class _DeferPerThread(ThreadLocalGlobals):
         return {DEFERRED_CALL: deferred}
 
 
+class _Wrapping:
+    """``LocalMapWrappedHigherOrderVariable._enabled`` as a counted override (:mod:`torchfix._switches`): ``enable()``
+    sets the class attribute as torch does, so that a direct read in one thread sees what it sees without torchfix,
+    and exits in any order leave it as found; ``should_wrap_in_hop`` reads the calling thread's own setting."""
+
+    def __init__(self, cls: type) -> None:
+        self._switch = Switch(
+            f"{WRAPPED}._enabled", lambda: cls._enabled, lambda value: setattr(cls, "_enabled", value)
+        )
+
+    def __call__(self) -> Override:
+        return Override(lambda: {self._switch: True})
+
+    def own(self) -> object:
+        return own_value(self._switch)
+
+
 class _WrappingPerThread(SourcePatch):
-    """``LocalMapWrappedHigherOrderVariable``'s ``cls._enabled`` read and written through a per-thread holder."""
+    """``LocalMapWrappedHigherOrderVariable.enable()`` through a counted override of ``cls._enabled``, and
+    ``should_wrap_in_hop``'s read of it through the calling thread's own setting."""
 
     def __init__(self) -> None:
         super().__init__(HOPS, HOPS.replace(".", "/") + ".py")
 
     def describe(self) -> str:
-        return super().describe() + f"; {WRAPPED}'s cls._enabled -> {SWITCH}.enabled, per thread"
+        return super().describe() + f"; {WRAPPED}.enable() counted, should_wrap_in_hop reads {SWITCH}.own()"
 
     def edits(self, source: str) -> list[Edit]:
-        uses = [node for node in ast.walk(parse(source)) if isinstance(node, ast.Attribute) and node.attr == "_enabled"]
-        methods = [definitions(source).get(f"{WRAPPED}.{name}") for name in ("enable", "should_wrap_in_hop")]
-        inside = {id(node) for method in methods if method is not None for node in ast.walk(method)}
-        stores = [node for node in uses if isinstance(node.ctx, ast.Store)]
+        """In ``enable``: the save (``old_value = cls._enabled``) becomes the override, the store of True enters it,
+        the store of the saved value exits it; in ``should_wrap_in_hop`` the read becomes the thread's own."""
+        enable, should_wrap = (
+            definition(source, self.relpath, f"{WRAPPED}.{name}") for name in ("enable", "should_wrap_in_hop")
+        )
+        uses = {
+            id(node) for node in ast.walk(parse(source)) if isinstance(node, ast.Attribute) and node.attr == "_enabled"
+        }
+        saves = [node for node in ast.walk(enable) if isinstance(node, ast.Assign) and _is_flag(node.value)]
+        stores = [node for node in ast.walk(enable) if isinstance(node, ast.Assign) and _is_flag(node.targets[0])]
+        reads = [node for node in ast.walk(should_wrap) if _is_flag(node)]
+        setting = [node for node in stores if isinstance(node.value, ast.Constant) and node.value.value is True]
+        restoring = [node for node in stores if node not in setting]
         # Refuse any other _enabled attribute: it could be this flag by another name.
-        if not stores or any(segment(source, node.value) != "cls" or id(node) not in inside for node in uses):
-            raise ShapeError(f"{self.relpath}: expected cls._enabled only in {WRAPPED}.enable / should_wrap_in_hop")
-        return [replace_node(node, f"{SWITCH}.enabled") for node in uses]
+        if (
+            len(saves) != 1
+            or len(setting) != 1
+            or len(restoring) != 1
+            or len(reads) != 1
+            or len(uses) != 4
+            or not isinstance(saves[0].targets[0], ast.Name)
+            or ast.unparse(restoring[0].value) != saves[0].targets[0].id
+        ):
+            raise ShapeError(
+                f"{self.relpath}: expected {WRAPPED}.enable to save, set and restore cls._enabled and "
+                "should_wrap_in_hop to read it, and no other _enabled"
+            )
+        saved = saves[0].targets[0].id
+        return [
+            replace_node(saves[0].value, f"{SWITCH}()"),
+            replace_node(setting[0], f"{saved}.enter()"),
+            replace_node(restoring[0], f"{saved}.exit()"),
+            replace_node(reads[0], f"{SWITCH}.own()"),
+        ]
 
     def helpers(self) -> dict[str, object]:
-        return {SWITCH: per_thread_class(SWITCH, {"enabled": False}, {}, seen_in_backward=True)()}
+        return {SWITCH: _Wrapping(getattr(importlib.import_module(HOPS), WRAPPED))}
 
     def per_thread_names(self) -> list[PerThreadName]:
-        return [
-            PerThreadName(
-                HOPS,
-                f"{WRAPPED}._enabled",
-                lambda hops: vars(hops)[SWITCH].enabled,
-                written_unseen="the class attribute stays False: enable() and should_wrap_in_hop() use the "
-                f"per-thread {SWITCH} instead (a class attribute write cannot be intercepted)",
-            )
-        ]
+        return [PerThreadName(HOPS, f"{WRAPPED}._enabled", lambda hops: vars(hops)[SWITCH].own())]
 
     def verify(self) -> None:
         super().verify()
         left = accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, {"_enabled"})
         if left:
             raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
+
+
+def _is_flag(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "_enabled" and ast.unparse(node.value) == "cls"
 
 
 class _TwoDeviceMesh:
@@ -219,7 +261,7 @@ FIX = Fix(
     caveats=(
         "`local-map-flags` runs the backward of a deferred local_map op (`LocalMapAutogradOp`, which exists only "
         "under `defer_inlining()`) inside `defer_inlining()` itself, since autograd may run it on another thread;"
-        " and `LocalMapWrappedHigherOrderVariable._enabled` stays `False`: `enable()` sets the calling thread's "
-        "switch instead."
+        " a direct read of `LocalMapWrappedHigherOrderVariable._enabled` in a thread outside `enable()` sees True "
+        "while another thread is inside, as without torchfix (Dynamo's own read is the thread's)."
     ),
 )

@@ -102,16 +102,30 @@ class Override:
         self.exit()
 
 
+def _own(stack: list[_Entry], me: int) -> object:
+    """What thread ``me`` set a switch with entries ``stack`` to: its newest entry's value, or else the value before
+    the first entry."""
+    mine = [entry for entry in stack if entry.thread == me]
+    return mine[-1].value if mine else stack[0].found
+
+
+def own_value(switch: Switch) -> object:
+    """The switch as the calling thread set it: the switch itself where no entry holds it (a value set directly
+    is seen), else :func:`_own` of its entries."""
+    with _lock:
+        stack = _entries.get(switch.name)
+        return _own(stack, threading.get_ident()) if stack else switch.get()
+
+
 def _own_view() -> dict[Switch, object]:
     """The overridden switches whose value now comes from another thread's entry that yields to compiles, each with
-    the value the calling thread sees of its own: its newest entry's, or the value before the first entry."""
+    the value the calling thread sees of its own (:func:`_own`)."""
     me, view = threading.get_ident(), {}
     for name, stack in _entries.items():
         others = [entry for entry in stack if entry.thread != me]
         if not others or not all(entry.yields_to_compiles for entry in others):
             continue
-        mine = [entry for entry in stack if entry.thread == me]
-        value = mine[-1].value if mine else stack[0].found
+        value = _own(stack, me)
         if _switches[name].get() != value:
             view[_switches[name]] = value
     return view

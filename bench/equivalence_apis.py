@@ -1,0 +1,420 @@
+"""The equivalence run's second corpus: each API a fix patches, used in one thread the way torch's docs show.
+
+``python -m bench.equivalence_apis OUT.json`` runs every case in this interpreter (``import torchfix`` after torch,
+as a user may; with ``TORCHFIX_DISABLE=1`` the run without it) and writes what each case observed: outputs, graph
+code, graph breaks, recompiles and their reasons, the guards Dynamo wrote, and error messages.
+``bench/equivalence.py`` runs it twice and compares case by case. Each of ``CASES`` names the fixes whose patched
+code it goes through; a test checks that every fix is named by a case (the CUDA-only ones by the case that runs on
+CUDA only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch._dynamo.utils import counters
+
+warnings.simplefilter("ignore")
+
+_ADDRESS = re.compile(r"\b(0x[0-9a-f]+|\d{7,})\b")  # object ids and addresses differ between interpreters
+
+
+def _plain(text: str) -> str:
+    return _ADDRESS.sub("<id>", text)
+
+
+class _Seen:
+    """What one case observed, as JSON-ready values."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, object] = {}
+
+    def __setitem__(self, key: str, value: object) -> None:
+        self.found[key] = value
+
+    def tensor(self, key: str, value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to("cpu", torch.float64)
+            self.found[key] = [list(value.shape), round(value.sum().item(), 6)]
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                self.tensor(f"{key}[{i}]", v)
+        else:
+            self.found[key] = repr(value)
+
+
+@contextlib.contextmanager
+def _compiles(seen: _Seen):
+    """Dynamo's counts and its guard and recompile logs over the block, into ``seen``."""
+    torch._dynamo.reset()
+    counters.clear()
+    logs = io.StringIO()
+    handler = logging.StreamHandler(logs)
+    loggers = [logging.getLogger(name) for name in ("torch._dynamo.guards", "torch._dynamo")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    torch._logging.set_logs(guards=True, recompiles=True)
+    try:
+        yield
+    finally:
+        torch._logging.set_logs()
+        for logger in loggers:
+            logger.removeHandler(handler)
+        seen["graph_breaks"] = sum(counters["graph_break"].values())
+        seen["recompiles"] = sum(counters["recompiles"].values())
+        seen["frames"] = counters["stats"]["unique_graphs"]
+        # Guard evaluation times differ from run to run.
+        lines = [_plain(line) for line in logs.getvalue().splitlines() if line.strip() and "latency" not in line]
+        seen["logs"] = lines
+
+
+def _backend(codes: list[str]) -> Callable:
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        codes.append(gm.code)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+
+    return backend
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.drop = torch.nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def _x() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(4, 8)
+
+
+def compile_function(seen: _Seen) -> None:
+    """torch.compile of a function with a graph break and a recompile on a new shape."""
+    codes: list[str] = []
+
+    def f(x):
+        y = torch.sin(x) + torch.fx._symbolic_trace.is_fx_tracing()
+        print("", end="")  # a graph break
+        return y * (2 if torch.compiler.is_compiling() else 3)
+
+    compiled = torch.compile(f, backend=_backend(codes))
+    with _compiles(seen):
+        seen.tensor("out", compiled(_x()))
+        seen.tensor("again", compiled(_x()))
+        seen.tensor("new_shape", compiled(torch.ones(3)))
+    seen["graphs"] = codes
+
+
+def compile_training_step(seen: _Seen) -> None:
+    """A compiled module's training step (AOTAutograd joint graph, backward compiled with it) and an optimizer."""
+    codes: list[str] = []
+    model = _MLP()
+    compiled = torch.compile(model, backend=_backend(codes))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with _compiles(seen):
+        for step in range(2):
+            loss = compiled(_x()).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            seen.tensor(f"loss{step}", loss)
+    seen["graphs"] = codes
+    seen.tensor("weight", model.fc1.weight)
+
+
+def compile_inductor(seen: _Seen) -> None:
+    """The default backend, forward and backward."""
+    model = _MLP()
+    compiled = torch.compile(model)
+    with _compiles(seen):
+        out = compiled(_x())
+        out.sum().backward()
+    seen.tensor("out", out)
+    seen.tensor("grad", model.fc1.weight.grad)
+
+
+def stance_and_disable(seen: _Seen) -> None:
+    """set_stance, torch.compiler.disable (recursive and not), error_on_graph_break."""
+
+    def inner(x):
+        return x - 1 if torch.compiler.is_compiling() else x + 1
+
+    def outer(g, x):
+        return g(x)
+
+    compiled = torch.compile(outer, backend="eager")
+    with _compiles(seen):
+        seen.tensor("non_recursive", compiled(torch.compiler.disable(inner, recursive=False), torch.ones(3)))
+        seen.tensor("recursive", compiled(torch.compiler.disable(inner), torch.ones(3)))
+        set_stance = getattr(torch.compiler, "set_stance", None)  # torch 2.6+
+        if set_stance is not None:
+            with set_stance("force_eager"):
+                seen.tensor("force_eager", torch.compile(inner, backend="eager")(torch.ones(3)))
+        error_on_graph_break = getattr(torch._dynamo, "error_on_graph_break", None)  # torch 2.9+
+        if error_on_graph_break is not None:
+
+            def breaks(x):
+                print("", end="")
+                return x + 1
+
+            try:
+                with error_on_graph_break(True):
+                    torch.compile(breaks, backend="eager")(torch.ones(2))
+            except Exception as exc:
+                seen["error_on_graph_break"] = f"{type(exc).__name__}"
+
+
+def symbolic_trace(seen: _Seen) -> None:
+    """torch.fx.symbolic_trace with stack traces recorded, and a wrapped function."""
+
+    class Tracer(torch.fx.Tracer):
+        record_stack_traces = True
+
+    graph = Tracer().trace(_MLP())
+    seen["code"] = torch.fx.GraphModule(_MLP(), graph).code
+    seen["stack_frames"] = sorted(
+        {line.strip().split(",")[0] for node in graph.nodes for line in (node.stack_trace or "").splitlines()}
+    )
+    seen["tracing_after"] = torch.fx._symbolic_trace.is_fx_tracing()
+    from torch.fx.experimental import meta_tracer
+
+    meta = meta_tracer.symbolic_trace(_MLP(), meta_args={"x": torch.randn(4, 8, device="meta")})
+    seen["meta_tracer"] = meta.code
+
+
+def make_fx_modes(seen: _Seen) -> None:
+    """make_fx in real, fake and symbolic modes, pre-dispatch, and a custom op with a data-dependent fake."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        return torch.nn.functional.gelu(x).sum(0)
+
+    for mode in ("real", "fake", "symbolic"):
+        seen[f"make_fx_{mode}"] = make_fx(f, tracing_mode=mode)(_x()).code
+    try:
+        seen["pre_dispatch"] = make_fx(f, pre_dispatch=True)(_x()).code
+    except TypeError as exc:  # torch 2.0: no pre_dispatch
+        seen["pre_dispatch"] = str(exc)
+    custom_op = getattr(torch.library, "custom_op", None)  # torch 2.4+
+    if custom_op is not None:
+
+        @custom_op("torchfix_equivalence::nonzero", mutates_args=())
+        def nonzero(x: torch.Tensor) -> torch.Tensor:
+            return x.nonzero()
+
+        @nonzero.register_fake
+        def _(x):
+            return x.new_empty(torch.library.get_ctx().new_dynamic_size(), x.dim(), dtype=torch.int64)
+
+        seen["custom_op"] = make_fx(nonzero, tracing_mode="symbolic")(torch.tensor([0.0, 1.0, 2.0])).code
+
+
+def export_program(seen: _Seen) -> None:
+    """torch.export (non-strict and strict), run_decompositions, save and load, draft_export."""
+    from torch import export
+
+    model, args = _MLP(), (_x(),)
+    programs = {"non_strict": export.export(model, args, strict=False), "strict": export.export(model, args)}
+    for name, program in programs.items():
+        seen[f"{name}_graph"] = str(program.graph_module.code)
+        seen.tensor(f"{name}_out", program.module()(*args))
+    decomposed = programs["non_strict"].run_decompositions()
+    seen["decomposed"] = str(decomposed.graph_module.code)
+    seen["backends_after"] = [getattr(torch._C, f"_get_{name}_enabled")() for name in ("mkldnn", "nnpack", "cudnn")]
+    buffer = io.BytesIO()
+    export.save(decomposed, buffer)
+    buffer.seek(0)
+    seen.tensor("loaded_out", export.load(buffer).module()(*args))
+    draft_export = getattr(export, "draft_export", None)  # torch 2.7+
+    if draft_export is not None:
+        seen["draft"] = str(draft_export(model, args).graph_module.code)
+
+
+def attention_and_modes(seen: _Seen) -> None:
+    """sdpa_kernel around eager SDPA and a compile; TorchFunctionMode, TorchDispatchMode and torch.device."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode, is_in_torch_dispatch_mode
+
+    q = torch.randn(1, 2, 4, 8)
+    attention = getattr(torch.nn, "attention", None)
+    if attention is not None and hasattr(attention, "sdpa_kernel"):  # torch 2.3+
+        with attention.sdpa_kernel(attention.SDPBackend.MATH):
+            seen.tensor("sdpa_eager", torch.nn.functional.scaled_dot_product_attention(q, q, q))
+            codes: list[str] = []
+            compiled = torch.compile(torch.nn.functional.scaled_dot_product_attention, backend=_backend(codes))
+            seen.tensor("sdpa_compiled", compiled(q, q, q))
+            seen["sdpa_graphs"] = codes
+        seen["math_after"] = torch.backends.cuda.math_sdp_enabled()
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    class Record(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Record.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with _compiles(seen):
+        with Count():
+            seen.tensor("under_function_mode", torch.compile(torch.cos, backend="eager")(torch.ones(2)))
+        with torch.device("cpu"):
+            seen.tensor("under_device", torch.compile(lambda: torch.ones(2) * 2, backend="eager")())
+    seen["function_mode_calls"] = Count.calls
+    with Record():
+        seen["inside_dispatch_mode"] = is_in_torch_dispatch_mode()
+        torch.ones(2).add(1)
+    seen["dispatch_ops"] = Record.ops
+    seen["outside_dispatch_mode"] = is_in_torch_dispatch_mode()
+
+
+def autograd_apis(seen: _Seen) -> None:
+    """checkpoint with its global overrides, allow_mutation_on_saved_tensors, compiled autograd, vmap."""
+    from torch.utils import checkpoint
+
+    model = _MLP()
+    x = _x().requires_grad_()
+    early_stop = getattr(checkpoint, "set_checkpoint_early_stop", None)  # torch 2.1+
+    with early_stop(False) if early_stop is not None else contextlib.nullcontext():
+        checkpoint.checkpoint(model, x, use_reentrant=False).sum().backward()
+    seen.tensor("checkpoint_grad", x.grad)
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        a = torch.ones(3, requires_grad=True) * 1
+        b = a.sin()
+        a.mul_(2)
+        b.sum().backward()
+    seen.tensor("mutated_saved", a)
+    compiled_autograd = getattr(torch._dynamo, "compiled_autograd", None)
+    if compiled_autograd is not None and hasattr(compiled_autograd, "_enable"):
+        model.zero_grad()
+        with _compiles(seen), compiled_autograd._enable(torch.compile(backend="eager")):
+            model(_x()).sum().backward()
+            seen["in_region_after"] = bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+        seen.tensor("compiled_autograd_grad", model.fc1.weight.grad)
+    seen.tensor("vmap", torch.vmap(torch.sin)(_x()))
+
+
+def local_map_switches(seen: _Seen) -> None:
+    """local_map's switches (torch 2.10+) read directly inside and after their context managers."""
+    try:
+        from torch._dynamo.variables.higher_order_ops import LocalMapWrappedHigherOrderVariable as Wrapped
+        from torch._higher_order_ops import local_map
+    except ImportError:
+        return
+    with local_map.defer_inlining():
+        seen["deferred_inside"] = local_map._DEFER_INLINING
+    from torch.distributed.tensor.experimental._func_map import _local_map_wrapped
+
+    with Wrapped.enable():
+        seen["wrapping_inside"] = [Wrapped._enabled, Wrapped.should_wrap_in_hop(_local_map_wrapped)]
+    seen["after"] = [local_map._DEFER_INLINING, Wrapped._enabled, Wrapped.should_wrap_in_hop(_local_map_wrapped)]
+
+
+def cuda_graphs(seen: _Seen) -> None:
+    """CUDA only: torch.cuda.graph capture and replay, make_graphed_callables, a reduce-overhead training step."""
+    x = torch.ones(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        y = x * 2  # warm-up on a side stream, as the docs show
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        y = x * 2
+    x.fill_(3)
+    graph.replay()
+    seen.tensor("replayed", y)
+    model = _MLP().cuda()
+    graphed = torch.cuda.make_graphed_callables(model, (torch.randn(4, 8, device="cuda", requires_grad=True),))
+    seen.tensor("graphed", graphed(torch.ones(4, 8, device="cuda", requires_grad=True)))
+    on_stream = torch.compile(lambda t: t * 2 if torch.cuda.current_stream() is not None else t, backend="eager")
+    seen.tensor("stream_in_graph", on_stream(x))
+    compiled = torch.compile(_MLP().cuda(), mode="reduce-overhead")
+    for step in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(torch.ones(4, 8, device="cuda"))
+        out.sum().backward()
+        seen.tensor(f"reduce_overhead{step}", out)
+
+
+@dataclass(frozen=True)
+class Case:
+    run: Callable[[_Seen], None]
+    fixes: tuple[str, ...]  # the fixes whose patched code it runs through
+    cuda: bool = False
+
+
+CASES = [
+    Case(
+        compile_function,
+        ("fx-tracing-flag", "compiler-flags", "compile-cache-recheck", "guarded-backends", "dynamo-trace-state")
+        + ("graph-module-build", "fx-codegen-names", "stack-filters", "cached-ops"),
+    ),
+    Case(
+        compile_training_step,
+        ("backward-compile-deadlock", "optimized-module-flag", "autograd-entry-patches", "aot-rng-patches")
+        + ("lazy-init-locks",),
+    ),
+    Case(compile_inductor, ("backward-compile-deadlock", "graph-module-build")),
+    Case(stance_and_disable, ("compile-stance", "compile-cache-recheck", "dynamo-region-settings")),
+    Case(symbolic_trace, ("trace-patch-isolation", "fx-node-meta", "stack-filters", "process-wide-patches")),
+    Case(make_fx_modes, ("make-fx-tracer", "pre-dispatch-modes", "fake-impl-ctx", "fx-tracing-flag")),
+    Case(
+        export_program,
+        ("export-trace-state", "export-builtins", "export-pass-flags", "export-subclass-getattr")
+        + ("export-decomp-kernels", "export-backend-switches", "export-save", "export-deserializer")
+        + ("draft-export-trace",),
+    ),
+    Case(
+        attention_and_modes,
+        ("sdpa-kernel-switches", "compile-switch-view", "function-mode-stack") + ("dispatch-mode-flags",),
+    ),
+    Case(autograd_apis, ("checkpoint-flags", "saved-tensor-mutation", "compiled-autograd-region")),
+    Case(local_map_switches, ("local-map-flags",)),
+    Case(
+        cuda_graphs,
+        ("cuda-graph-capture", "cudagraph-step-counters", "cudagraph-thread-trees", "cudagraph-tree-callable")
+        + ("graph-user-objects",),
+        cuda=True,
+    ),
+]
+
+
+def main(out: str) -> None:
+    import torchfix  # noqa: F401  (after torch, as a user may; with TORCHFIX_DISABLE=1 the run without torchfix)
+
+    results: dict[str, dict] = {}
+    for case in CASES:
+        if case.cuda and not torch.cuda.is_available():
+            continue
+        seen = _Seen()
+        try:
+            case.run(seen)
+        except Exception as exc:
+            seen["error"] = _plain(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        results[case.run.__name__] = seen.found
+    with open(out, "w") as f:
+        json.dump(results, f, default=repr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
