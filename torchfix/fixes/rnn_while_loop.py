@@ -105,7 +105,7 @@ class _OwnDecomposition(SourcePatch):
     def edits(self, source: str) -> list[Edit]:
         function = definition(source, self.relpath, FUNCTION)
         op, impl = (arg.arg for arg in function.args.args[:2])
-        first = function.body[1]  # after the docstring
+        first = function.body[1] if ast.get_docstring(function) is not None else function.body[0]
         (tried,) = find_replaced(self.relpath, function, "try/finally", lambda n: isinstance(n, ast.Try))
         (write,) = find_replaced(
             self.relpath, tried.body, f"registry[{op}] = {impl}", lambda n: _assigns(source, n, f"registry[{op}]")
