@@ -330,6 +330,76 @@ def local_map_switches(seen: _Seen) -> None:
     seen["after"] = [local_map._DEFER_INLINING, Wrapped._enabled, Wrapped.should_wrap_in_hop(_local_map_wrapped)]
 
 
+def rnn_while_loop(seen: _Seen) -> None:
+    """torch 2.11+: an LSTM exported and decomposed inside register_lstm_while_loop_decomposition(), as its docs show;
+    the op's kernel, table entry and dispatch cache inside and after."""
+    try:
+        from torch.export._patches import register_lstm_while_loop_decomposition
+    except ImportError:
+        return
+    from torch._decomp import global_decomposition_table
+
+    op = torch.ops.aten.lstm.input
+
+    def state() -> list[str]:
+        kernel = op.py_kernels.get(torch._C.DispatchKey.CompositeImplicitAutograd)
+        entry = global_decomposition_table["post_autograd"].get(op)
+        cached = sorted(f"{key}: {getattr(value, '__name__', value)}" for key, value in op._dispatch_cache.items())
+        return [getattr(kernel, "__name__", str(kernel)), getattr(entry, "__name__", str(entry)), *cached]
+
+    lstm, x = torch.nn.LSTM(4, 8), torch.randn(3, 2, 4)
+    seen["before"] = state()
+    with register_lstm_while_loop_decomposition():
+        program = torch.export.export(lstm, (x,))
+        seen["inside"] = state()
+        seen["graph"] = _plain(str(program.graph_module.code))
+        seen["decomposed"] = _decomposed(program)
+    seen["after"] = state()
+    seen["decomposed_after"] = _decomposed(program)
+
+
+def _decomposed(program: torch.export.ExportedProgram) -> str:
+    """The decomposed program's code, or the error (2.13 rejects the while_loop LSTM's lifted constant)."""
+    try:
+        return _plain(str(program.run_decompositions().graph_module.code))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+
+def parametrize_cached(seen: _Seen) -> None:
+    """A parametrized weight used twice inside parametrize.cached(), as its docs show, and trained after."""
+    import torch.nn.utils.parametrize as P
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    P.register_parametrization(layer, "weight", Double())
+    with P.cached():
+        out = layer(_x()) + layer(_x())
+        seen["inside"] = [P._cache_enabled, len(P._cache), layer.weight is layer.weight]
+    out.sum().backward()
+    seen.tensor("grad", layer.parametrizations.weight.original.grad)
+    seen["after"] = [P._cache_enabled, len(P._cache), layer.weight is layer.weight]
+
+
+def numpy_conversion(seen: _Seen) -> None:
+    """torch._numpy's conversion of Python data, eager and as Dynamo traces np.array."""
+    import numpy as np
+    import torch._numpy as tnp
+
+    array = tnp.asarray([1.5, 2.5])
+    seen["eager"] = [str(array.tensor.dtype), str(torch.get_default_dtype())]
+    codes: list[str] = []
+    with _compiles(seen):
+        compiled = torch.compile(lambda t: t + torch.from_numpy(np.array([1.5, 2.5])), backend=_backend(codes))
+        seen.tensor("compiled", compiled(torch.zeros(2, dtype=torch.float64)))
+    seen["codes"] = codes
+    seen["default_after"] = str(torch.get_default_dtype())
+
+
 def cuda_graphs(seen: _Seen) -> None:
     """CUDA only: torch.cuda.graph capture and replay, make_graphed_callables, a reduce-overhead training step."""
     x = torch.ones(8, device="cuda")
@@ -392,6 +462,9 @@ CASES = [
     ),
     Case(autograd_apis, ("checkpoint-flags", "saved-tensor-mutation", "compiled-autograd-region")),
     Case(local_map_switches, ("local-map-flags",)),
+    Case(rnn_while_loop, ("export-rnn-while-loop",)),
+    Case(parametrize_cached, ("parametrize-cached",)),
+    Case(numpy_conversion, ("numpy-default-dtype",)),
     Case(
         cuda_graphs,
         ("cuda-graph-capture", "cudagraph-step-counters", "cudagraph-thread-trees", "cudagraph-tree-callable")

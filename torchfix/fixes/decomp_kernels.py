@@ -18,14 +18,14 @@ fixes on):
   saved the first's tables): every later training compile in the process silently loses those gradients; and the
   second, still tracing, loses its own overrides and fake rules when the first ends.
 
-While any thread is inside, each op it overrides gets a table that answers every thread with its own kernels:
-``op.py_kernels`` becomes a view (:class:`_ThreadKernels`) of the calling thread's own copy, which torch's code
-edits and restores as before, or of the op's real table for any other thread; ``op._dispatch_cache`` becomes a
-dict that keeps nothing (:class:`_Uncached`). Torch's C++ dispatcher reads that dict itself, not through Python,
-so an entry would serve every thread alike; empty, it asks ``op._get_dispatch`` each time, which resolves against
-the calling thread's table. When the last thread is out, the op gets its own table and cache back (the cache
-cleared, as torch leaves it) and torch's fake rule is dropped. The setup loops of two threads take turns under one
-lock (torch checks, then registers, each op's fake rule).
+While any thread is inside, each op it overrides gets a table that answers every thread with its own kernels
+(:mod:`torchfix.patching.kernels`, shared with ``export-rnn-while-loop``): ``op.py_kernels`` becomes a view of the
+calling thread's own copy, which torch's code edits and restores as before, or of the op's real table for any
+other thread; ``op._dispatch_cache`` becomes a dict that keeps nothing. Torch's C++ dispatcher reads that dict
+itself, not through Python, so an entry would serve every thread alike; empty, it asks ``op._get_dispatch`` each
+time, which resolves against the calling thread's table. When the last thread is out, the op gets its own table
+and cache back (the cache cleared, as torch leaves it) and torch's fake rule is dropped. The setup loops of two
+threads take turns under one lock (torch checks, then registers, each op's fake rule).
 
 The per-thread tables live in :class:`ThreadSpaces`, which follow a thread into autograd's device thread. Torch's own
 joint decomposition (``torch.export.experimental._export_forward_backward``, whose backward is traced there for CUDA
@@ -45,14 +45,12 @@ from __future__ import annotations
 import ast
 import importlib
 import threading
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
-from dataclasses import dataclass
 
 from .._fix import Fix, Scenario, releases
 from ..doctor.scenarios import Result, fresh, torch_module
+from ..patching import kernels
 from ..patching.patches import SourcePatch
 from ..patching.source import Edit, ShapeError, definition, replace_node, segment
-from ..patching.stash import ThreadSpaces
 
 MODULE = "torch.export.exported_program"
 RELPATH = "torch/export/exported_program.py"
@@ -60,122 +58,10 @@ FUNCTION = "_override_composite_implicit_decomp"
 HELPER = "_torchfix_decomp_kernels"
 
 
-class _Uncached(dict):
-    """``op._dispatch_cache`` while some thread has its own kernels for the op: empty for good, so that torch's C++
-    dispatcher, which looks handlers up in the dict itself, always asks ``op._get_dispatch``."""
-
-    def __setitem__(self, key: object, value: object) -> None:
-        pass
-
-
-@dataclass
-class _Own:
-    table: dict  # the thread's copy of the op's py_kernels, which torch's code edits
-    depth: int = 0  # the thread's overrides of the op under way (they nest: torch 2.5 - 2.7 enter two at once)
-
-
-class _ThreadKernels(MutableMapping):
-    """``op.py_kernels`` while some thread has its own kernels for the op: the calling thread's table where it has
-    one (on autograd's device thread, the table of the thread whose backward it runs), the op's real one otherwise."""
-
-    def __init__(self, op: object, shared: dict, overrides: DecompKernels) -> None:
-        self._op, self._shared, self._overrides = op, shared, overrides
-
-    def _table(self) -> dict:
-        own = self._overrides.own(self._op)
-        return self._shared if own is None else own.table
-
-    def __getitem__(self, key: object) -> object:
-        return self._table()[key]
-
-    def __setitem__(self, key: object, value: object) -> None:
-        self._table()[key] = value
-
-    def __delitem__(self, key: object) -> None:
-        del self._table()[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._table()
-
-    def __iter__(self) -> Iterator:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
-
-    def get(self, key: object, default: object = None) -> object:
-        return self._table().get(key, default)
-
-    def copy(self) -> dict:
-        return self._table().copy()
-
-    def clear(self) -> None:
-        self._table().clear()
-
-    def __repr__(self) -> str:
-        return repr(self._table())
-
-
-class DecompKernels:
-    """The ops that threads override while they decompose, and each thread's own kernel tables for them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._threads = ThreadSpaces("decomp-kernels", seen_in_backward=True)
-        self._real: dict[object, tuple[dict, dict]] = {}  # op -> its own py_kernels and _dispatch_cache, set aside
-        self._inside: dict[object, int] = {}  # op -> the overrides of it under way, in all threads
-
-    def own(self, op: object) -> _Own | None:
-        tables = self._tables()
-        return None if tables is None else tables.get(op)
-
-    def _tables(self) -> dict[object, _Own] | None:
-        """The calling thread's own tables, by op; None where it has overridden nothing."""
-        return getattr(self._threads.get(), "tables", None)
-
-    def locked(self, items: Iterable) -> Iterator:
-        """The items of torch's setup loop, with the lock held while it runs: two threads' setups take turns."""
-        with self._lock:
-            yield from items
-
-    def enter(self, op: object) -> dict:
-        """The calling thread starts overriding ``op``: returns a copy of its table, what torch saves to restore."""
-        with self._lock:
-            if op not in self._real:
-                self._real[op] = (op.py_kernels, op._dispatch_cache)
-                op.py_kernels, op._dispatch_cache = _ThreadKernels(op, op.py_kernels, self), _Uncached()
-            tables = vars(self._threads.make()).setdefault("tables", {})
-            own = tables.get(op)
-            if own is None:
-                own = tables[op] = _Own(dict(self._real[op][0]))
-            own.depth += 1
-            self._inside[op] = self._inside.get(op, 0) + 1
-            return own.table.copy()
-
-    def leave(self, op: object, last_out: Callable[[object], None] | None = None) -> None:
-        """The calling thread ends an override of ``op`` (torch has restored its table). After the last thread's,
-        the op gets its own table and its cache back, cleared as torch leaves it, and ``last_out(op)`` runs (torch's
-        removal of the fake rule)."""
-        with self._lock:
-            tables = self._tables()
-            tables[op].depth -= 1
-            if tables[op].depth == 0:
-                del tables[op]
-            self._inside[op] -= 1
-            if self._inside[op]:
-                return
-            del self._inside[op]
-            kernels, cache = self._real.pop(op)
-            op.py_kernels, op._dispatch_cache = kernels, cache
-            cache.clear()
-            if last_out is not None:
-                last_out(op)
-
-
 class _ThreadOverrides(SourcePatch):
-    """``_override_composite_implicit_decomp`` through :class:`DecompKernels`: its setup loop runs under the lock and
-    saves what ``enter`` returns; the last statement of its restore loop becomes ``leave`` (which then runs it, on
-    2.6+ where it drops the fake rule, after the last thread is out)."""
+    """``_override_composite_implicit_decomp`` through :func:`torchfix.patching.kernels.shared`: its setup loop runs
+    under the lock and saves what ``enter`` returns; the last statement of its restore loop becomes ``leave`` (which
+    then runs it, on 2.6+ where it drops the fake rule, after the last uncached override is out)."""
 
     def __init__(self) -> None:
         super().__init__(MODULE, RELPATH)
@@ -218,7 +104,7 @@ class _ThreadOverrides(SourcePatch):
         return copies[0] if len(copies) == 1 else None
 
     def helpers(self) -> dict[str, object]:
-        return {HELPER: DecompKernels()}
+        return {HELPER: kernels.shared()}
 
 
 def _probe() -> str | None:
