@@ -206,6 +206,12 @@ def make_fx_modes(seen: _Seen) -> None:
 
     for mode in ("real", "fake", "symbolic"):
         seen[f"make_fx_{mode}"] = make_fx(f, tracing_mode=mode)(_x()).code
+    symbolic = make_fx(f, tracing_mode="symbolic")(_x())
+    try:  # the fast symbol printer (torch 2.8+), then the class's own again
+        seen["readable_fast_sympy"] = symbolic.print_readable(print_output=False, fast_sympy_print=True)
+    except TypeError as exc:
+        seen["readable_fast_sympy"] = str(exc)
+    seen["readable_after"] = symbolic.print_readable(print_output=False)
     try:
         seen["pre_dispatch"] = make_fx(f, pre_dispatch=True)(_x()).code
     except TypeError as exc:  # torch 2.0: no pre_dispatch
@@ -310,7 +316,14 @@ def autograd_apis(seen: _Seen) -> None:
         with _compiles(seen), compiled_autograd._enable(torch.compile(backend="eager")):
             model(_x()).sum().backward()
             seen["in_region_after"] = bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+            with compiled_autograd._disable():  # what a compile inside it does
+                seen["enabled_in_disable"] = compiled_autograd.compiled_autograd_enabled
+            seen["enabled_after_disable"] = compiled_autograd.compiled_autograd_enabled
         seen.tensor("compiled_autograd_grad", model.fc1.weight.grad)
+        seen["enabled_after"] = compiled_autograd.compiled_autograd_enabled
+        captures = counters["compiled_autograd"]["captures"]
+        model(_x()).sum().backward()
+        seen["plain_backward_captures"] = counters["compiled_autograd"]["captures"] - captures
     seen.tensor("vmap", torch.vmap(torch.sin)(_x()))
 
 
@@ -449,7 +462,7 @@ CASES = [
     Case(compile_inductor, ("backward-compile-deadlock", "graph-module-build")),
     Case(stance_and_disable, ("compile-stance", "compile-cache-recheck", "dynamo-region-settings")),
     Case(symbolic_trace, ("trace-patch-isolation", "fx-node-meta", "stack-filters", "process-wide-patches")),
-    Case(make_fx_modes, ("make-fx-tracer", "pre-dispatch-modes", "fake-impl-ctx", "fx-tracing-flag")),
+    Case(make_fx_modes, ("make-fx-tracer", "pre-dispatch-modes", "fake-impl-ctx", "fx-tracing-flag", "fx-sym-repr")),
     Case(
         export_program,
         ("export-trace-state", "export-builtins", "export-pass-flags", "export-subclass-getattr")
@@ -460,7 +473,10 @@ CASES = [
         attention_and_modes,
         ("sdpa-kernel-switches", "compile-switch-view", "function-mode-stack") + ("dispatch-mode-flags",),
     ),
-    Case(autograd_apis, ("checkpoint-flags", "saved-tensor-mutation", "compiled-autograd-region")),
+    Case(
+        autograd_apis,
+        ("checkpoint-flags", "saved-tensor-mutation", "compiled-autograd-region", "compiled-autograd-compiler"),
+    ),
     Case(local_map_switches, ("local-map-flags",)),
     Case(rnn_while_loop, ("export-rnn-while-loop",)),
     Case(parametrize_cached, ("parametrize-cached",)),

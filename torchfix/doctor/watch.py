@@ -140,8 +140,9 @@ DECLARED = (
         "torch._dynamo.compiled_autograd.active_disable_ctx",
         "known",
         "mirrors compiled autograd's compiler slot, one per process in C++, which every AOTAutograd compile clears "
-        "(compiled_autograd._disable) for its time: out of reach while it runs, and an _enable() in another thread "
-        "that exits first is left installed for good (not fixed)",
+        "(compiled_autograd._disable) for its time: out of reach while it runs (counted: an _enable() in another "
+        "thread that exits first is no longer left installed)",
+        fix="compiled-autograd-compiler",
     ),
     Declared(
         "torch._functorch._aot_autograd.logging_utils.callback_set",
@@ -154,7 +155,8 @@ DECLARED = (
         "known",
         "print_readable(fast_sympy_print=True) (AOTAutograd's cache, inductor's post-grad artifact) swaps the printer "
         "of symbolic sizes for the process while it prints: another thread's readable code meanwhile shows sympy's "
-        "form, and two overlapping exits can leave it for good (cosmetic; not fixed)",
+        "form, and two overlapping exits can leave it for good (cosmetic; now per thread)",
+        fix="fx-sym-repr",
     ),
     Declared("torch.nn.init.*", "known", _TRANSFORMERS),
     Declared("torch.nn.modules.activation.constant_", "known", _TRANSFORMERS),  # imported by name there
