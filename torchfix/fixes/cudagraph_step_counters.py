@@ -78,15 +78,12 @@ THREAD_STEPS = per_thread_class("ThreadSteps", {"steps": UNCOUNTED}, {}, seen_in
 
 def steps_of_this_work() -> Steps:
     """The counters of the thread whose work runs now: the calling thread's, or on autograd's device
-    thread those of the thread whose backward it runs (the C++ stash is inherited from that thread)."""
-    import torch
-    from torch._inductor import cudagraph_trees
-
-    if torch._C._is_key_in_tls(KEY):
-        return torch._C._get_obj_in_tls(KEY)
-    if torch._C._is_key_in_tls("tree_manager_containers") and not hasattr(
-        cudagraph_trees.local, "tree_manager_containers"
-    ):
+    thread those of the thread whose backward it runs (the C++ stash is inherited from that thread). The trees
+    call it several times per replay: modules from ``sys.modules`` (both are imported by then), no import."""
+    c = sys.modules["torch"]._C
+    if c._is_key_in_tls(KEY):
+        return c._get_obj_in_tls(KEY)
+    if c._is_key_in_tls("tree_manager_containers") and not hasattr(sys.modules[TREES].local, "tree_manager_containers"):
         return UNCOUNTED  # a device thread, for a thread whose trees predate torchfix: nothing to share
     # A thread's trees start at the process's generation, as without torchfix, and move with its own calls;
     # it has made no mark-step yet (it counts them from its first, which comes here).

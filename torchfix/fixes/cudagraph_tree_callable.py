@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from ..patching.patches import SourcePatch
 from ..patching.source import Edit, definition, find_replaced, replace_node, segment
 
 MODULE = "torch._inductor.compile_fx"
+TREES = "torch._inductor.cudagraph_trees"
 HELPER = "_cudagraphify_per_tree"
 
 
@@ -65,9 +67,9 @@ class PerTree:
         return self.dispatch
 
     def dispatch(self, new_inputs: list) -> object:
-        from torch._inductor import cudagraph_trees
-
-        tree = cudagraph_trees.get_container(self._device_index)
+        # Every replay comes here: the module from sys.modules, not an import statement, once it is loaded.
+        trees = sys.modules.get(TREES) or importlib.import_module(TREES)
+        tree = trees.get_container(self._device_index)
         fn = self._by_tree.get(tree)
         if fn is None:
             with self._lock:
@@ -106,7 +108,7 @@ def _probe() -> str | None:
     module = importlib.import_module(MODULE)
     if HELPER in vars(module):
         return "CUDA-graph callables are per tree already"
-    if importlib.util.find_spec("torch._inductor.cudagraph_trees") is None or not hasattr(module, "cudagraphify"):
+    if importlib.util.find_spec(TREES) is None or not hasattr(module, "cudagraphify"):
         return "this torch has no CUDA graph trees (2.1+)"
     return None
 
