@@ -234,13 +234,21 @@ class Soak:
                 self.errors[hazard][message] += 1
 
     def warm_up(self) -> float:
-        """Each action once, in this thread, before the timed window: the first compiles (seconds each with
-        Inductor's caches cold) and the first export's imports, which would otherwise fill a short window and
-        count for the run that meets them first. Returns the seconds it took."""
+        """Each action once before the timed window: the first compiles (seconds each with Inductor's caches cold)
+        and the first export's imports, which would otherwise fill a short window and count for the run that meets
+        them first. In a thread of its own: what the main thread sees is what other threads leave (``flags``), and
+        some of torch's own state outlives an action in the thread that ran it (torch 2.2's node meta). Returns
+        the seconds it took."""
+
+        def each_once() -> None:
+            rng = random.Random(self.seed)
+            for name, action, _weight in self.menu:
+                self._act(name, action, rng)
+
         start = time.monotonic()
-        rng = random.Random(self.seed)
-        for name, action, _weight in self.menu:
-            self._act(name, action, rng)
+        thread = threading.Thread(target=each_once, name="stress-warm-up", daemon=True)
+        thread.start()
+        thread.join()
         return time.monotonic() - start
 
     def worker(self, index: int) -> None:
