@@ -44,6 +44,11 @@ def side_by_side(fn: Callable[[], object], calls: int, rounds: int) -> dict[str,
         without_fix.append(rates[False])
         ratios.append(rates[True] / rates[False])
     torchfix.install()
+    return _ratios(with_fix, without_fix, ratios)
+
+
+def _ratios(with_fix: list[float], without_fix: list[float], ratios: list[float]) -> dict[str, float]:
+    """The rates' medians, and the median of the rounds' ratios with its quartiles."""
     quartiles = statistics.quantiles(ratios, n=4)
     return {
         "with_torchfix_per_s": statistics.median(with_fix),
@@ -172,13 +177,8 @@ def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    quartiles = statistics.quantiles(ratios, n=4)
     return {
-        "with_torchfix_per_s": statistics.median(with_fix),
-        "without_torchfix_per_s": statistics.median(without_fix),
-        "ratio": statistics.median(ratios),
-        "ratio_q1": quartiles[0],
-        "ratio_q3": quartiles[2],
+        **_ratios(with_fix, without_fix, ratios),
         "rounds": rounds,
         "steps_per_block": steps,
     }
