@@ -38,6 +38,7 @@ import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from ..patching.patches import fast_read_globals
 from ..patching.slots import seen_by_this_thread
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -299,7 +300,9 @@ class Watcher:
                 continue  # still being imported: its names are not settled yet (looked at again later)
             self._seen_modules.add(module_name)
             namespace = vars(module)
-            names = [name for name in list(namespace) if not name.startswith("__")]
+            # torchfix's fast-read switches: the moved globals themselves are watched as other modules read them
+            internal = fast_read_globals(module)
+            names = [name for name in list(namespace) if not name.startswith("__") and name not in internal]
             self._add_namespace(module_name, "module global", namespace, names, module)
             for name in names:
                 value = namespace.get(name)

@@ -724,6 +724,12 @@ _MODULE_WRITE_UNSEEN = (
 )
 
 
+def fast_read_globals(module: types.ModuleType) -> set[str]:
+    """The ``<name>_shared`` globals that the fast reads of ``module``'s moved globals test (torchfix's own: they
+    switch while some thread holds a value of its own, see ``_Default.fast_read``)."""
+    return {f"{name}_shared" for name in _MovedGlobals.of(module).moved}
+
+
 class _MovedGlobals:
     """The module ``__getattr__`` (PEP 562) that serves the moved globals of one module, whichever patch
     moved them: patches of one module come and go in any order, and the ``__getattr__`` the module had
