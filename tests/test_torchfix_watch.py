@@ -141,9 +141,12 @@ def dispatch_mode(hold):  # 5: the dispatch-mode flags
         hold()
 
 watcher = Watcher().start(background=False)
-threads = [holding(work) for work in (decompositions, compile_in_mode, sdpa, dispatch_mode)]
-for inside in held:
-    assert inside.wait(120)
+# One at a time, the compile first: without the fixes, another family's state already set can keep a compile from
+# reaching its backend (torch 2.10).
+threads = []
+for work in (compile_in_mode, decompositions, sdpa, dispatch_mode):
+    threads.append(holding(work))
+    assert held[-1].wait(120), work.__name__
 watcher.sample()
 release.set()
 for thread in threads:

@@ -73,6 +73,18 @@ _TRANSFORMERS += "torch's functions for the process while a model loads: not tor
 _EXPORT_OFF = "every export turns the backend off for its traces: one C++ setting per process, out of reach "
 _EXPORT_OFF += "(counted, never left off, another thread's setting kept)"
 DECLARED = (
+    Declared(
+        "torch._dynamo.utils._METRICS_CONTEXT._*",
+        "benign",
+        "the compile's metrics for its log record (nesting level, metrics so far), while torch.compile holds "
+        "compile_lock; logging only",
+    ),
+    Declared(
+        "torch.fx.experimental.proxy_tensor.ORIGINAL_ATEN",
+        "known",
+        "torch 2.0 - 2.12: the op a make_fx trace is inside, a module global (a ContextVar from 2.13): another "
+        "thread's trace meanwhile records it as its nodes' `original_aten` meta; node metadata only (not fixed)",
+    ),
     Declared("torch._subclasses.fake_tensor.FakeTensorMode.cache_*", "benign", "statistics of the FakeTensor cache"),
     Declared("torch._dynamo.utils.curr_frame", "benign", "a debug frame counter"),
     Declared("torch._functorch._aot_autograd.logging_utils.nth_graph", "benign", "a debug graph counter"),
