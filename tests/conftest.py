@@ -144,7 +144,13 @@ _DECLARED = """
 import json, torch
 from torchfix import fixes
 here = torch.__version__
-found = [dict(name=fix.name, supported=fix.supports(here), cost=fix.hazard_is_cost) for fix in fixes.ALL]
+found = [
+    dict(
+        name=fix.name, supported=fix.supports(here), versions=str(fix.versions),
+        releases=[fix.versions.first, fix.versions.last], cost=fix.hazard_is_cost,
+    )
+    for fix in fixes.ALL
+]
 triggers = sorted({fix.trigger for fix in fixes.ALL})
 scenarios = [
     dict(
@@ -168,28 +174,40 @@ def hazard_here(function: str) -> bool:
     return any(s["hazard"] for s in SCENARIOS if s["function"] == function)
 
 
-# The first release no fix was checked against (the one after torchfix._fix.NEWEST_CHECKED; a test checks they
-# agree). Not imported from torchfix, which would patch torch in the test process itself.
-UNCHECKED = (2, 16)
+def fix_here(name: str) -> dict:
+    """The fix ``name`` as declared, evaluated for this torch (``supported``: this torch is one of its ``versions``)."""
+    return next(fix for fix in FIXES if fix["name"] == name)
+
+
+def needs_fix(name: str) -> pytest.MarkDecorator:
+    """Skip a test of the fix ``name`` where this torch is not one of its releases."""
+    fix = fix_here(name)
+    return pytest.mark.skipif(not fix["supported"], reason=f"{name} patches torch {fix['versions']} only")
+
+
+def crashes_here(function: str) -> bool:
+    """Whether torch itself can crash in the declared scenario ``function`` on this torch (``Scenario.crashes``)."""
+    return any(s["crashes"] for s in SCENARIOS if s["function"] == function)
+
+
+# What the tests know of torch's releases, read from the fixes' declarations (test_torchfix_cli checks that no
+# release is written here by hand but in HAS_H6, below, with its reason).
 HAS_H1 = hazard_here("h1_nested_trace_error")  # the FX tracing flag, a process global before torch 2.14
 HAS_H3 = hazard_here("h3_is_compiling_elsewhere")  # torch.compiler._is_compiling_flag, set by every compile (2.13+)
 HAS_H4 = hazard_here("h4_trace_patches_leak")  # Tracer.trace patches nn.Module process-wide, every release so far
-# The H5 fix compiles backward graphs with their forward from 2.6 (torch's switch from 2.9, its eager
-# path for dynamic shapes before).
-HAS_H5_FIX = TORCH_VERSION.release >= (2, 6)
-# Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6).
-HAS_H6 = TORCH_VERSION.release >= (2, 12)
-# Threads missing Dynamo's cache together each compile the frame again (2.6+ here); the fix needs 2.6+.
-HAS_RECHECK_FIX = TORCH_VERSION.release >= (2, 6)
-# Seen in the matrix: these releases segfault when a thread recompiles a frame that other threads wait to
-# run, and without compile-cache-recheck (2.10: 3 of 3 runs) when they duplicate one frame's compile.
-TORCH_CRASHES_ON_CONCURRENT_RECOMPILE = (2, 10) <= TORCH_VERSION.release < (2, 12)
+# The H5 fix compiles backward graphs with their forward (torch's switch from 2.9, its eager path for dynamic
+# shapes before).
+HAS_H5_FIX = fix_here("backward-compile-deadlock")["supported"]
+# The releases that segfault when a thread recompiles a frame that other threads wait to run, and without
+# compile-cache-recheck when they duplicate one frame's compile: its scenario declares them.
+TORCH_CRASHES_ON_CONCURRENT_RECOMPILE = crashes_here("duplicate_compiles")
 # And when threads make_fx at once: FakeTensorMode.__enter__ calls torch._C._ensureCUDADeviceGuardSet() on a
 # machine without CUDA, which segfaulted in 6 of 9 four-second soaks on 2.10, with torchfix and without (C++
 # state, out of torchfix's reach). The make-fx-tracer fix declares those releases.
-TORCH_CRASHES_ON_CONCURRENT_MAKE_FX = any(
-    s["crashes"] for s in SCENARIOS if s["function"] == "make_fx_tracer_elsewhere"
-)
+TORCH_CRASHES_ON_CONCURRENT_MAKE_FX = crashes_here("make_fx_tracer_elsewhere")
+# Dynamo/Inductor config values are per-thread (ContextVar) from 2.12 (H6). By hand: no fix declares it
+# (propagate_config is an API, not a fix), and its test checks torchfix's own reading of it against this.
+HAS_H6 = TORCH_VERSION.release >= (2, 12)
 
 
 @pytest.fixture(params=[False, True], ids=["torchfix", "disabled"])

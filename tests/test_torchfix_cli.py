@@ -1,5 +1,6 @@
 """python -m torchfix: the doctor, the diffs (and patches/ drift), stress, run, pth."""
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -10,6 +11,7 @@ from conftest import (
     HAS_H1,
     TORCH_CRASHES_ON_CONCURRENT_MAKE_FX,
     TORCH_VERSION,
+    fix_here,
     run_ok,
     run_python,
 )
@@ -99,11 +101,72 @@ def test_the_table_of_fixes_and_the_readme_list_have_not_drifted():
     assert listed == [fix["name"] for fix in FIXES], "the README lists every fix, in the order they apply"
 
 
+# The survey of torch's process-wide state (docs/torch-N.M-globals.md), the release it read, and the fixes its rows
+# say fixed a state: "fixed by `name`", "fixed (`name`)", "Fixed since by `name`" (a fix's name has a hyphen).
+SURVEY = next((ROOT / "docs").glob("torch-*-globals.md"))
+SURVEYED = tuple(map(int, re.match(r"torch-(\d+)\.(\d+)-", SURVEY.name).groups()))
+FIXED_BY = set(re.findall(r"fixed (?:since )?(?:by |\()`?([a-z0-9]+(?:-[a-z0-9]+)+)", SURVEY.read_text(), re.I))
+
+
 @pytest.mark.release_independent
 def test_every_fixed_by_of_the_survey_names_a_fix():
-    survey = (ROOT / "docs" / "torch-2.15-globals.md").read_text()
-    named = set(re.findall(r"\| fixed by `?([a-z0-9-]+)`? \|", survey))
-    assert named and named <= {fix["name"] for fix in FIXES}, named - {fix["name"] for fix in FIXES}
+    assert FIXED_BY and FIXED_BY <= {fix["name"] for fix in FIXES}, FIXED_BY - {fix["name"] for fix in FIXES}
+
+
+@pytest.mark.release_independent
+def test_the_survey_says_what_each_fix_of_its_release_fixed():
+    # A fix of the surveyed release removes a leak of process state that the survey has a row of. A hazard that
+    # only costs time (a compile done twice) is no state's leak.
+    of_the_release = [fix["name"] for fix in FIXES if fix["releases"][0] <= list(SURVEYED) <= fix["releases"][1]]
+    missing = [name for name in of_the_release if name not in FIXED_BY and not fix_here(name)["cost"]]
+    assert not missing, f"{SURVEY.name} says of no state that it is fixed by {missing}"
+
+
+# conftest's flags that state a torch fact no fix declares, so written there by hand.
+TORCH_FACTS_BY_HAND = {"HAS_H6"}
+
+
+@pytest.mark.release_independent
+def test_conftest_reads_the_releases_the_fixes_declare():
+    # A release written into conftest by hand ((2, 6), Version("2.6")) copies a fix's versions or a scenario's
+    # hazard or crashes releases, and drifts from it: conftest reads those from the declarations (_DECLARED).
+    def by_hand(node: ast.AST) -> bool:
+        return any(
+            (
+                isinstance(n, ast.Tuple)
+                and n.elts
+                and all(isinstance(e, ast.Constant) and type(e.value) is int for e in n.elts)
+            )
+            or (
+                isinstance(n, ast.Call)
+                and getattr(n.func, "id", "") == "Version"
+                and isinstance(n.args[0], ast.Constant)
+            )
+            for n in ast.walk(node)
+        )
+
+    module = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    assigned = [node for node in module.body if isinstance(node, ast.Assign) and by_hand(node.value)]
+    names = {target.id for node in assigned for target in node.targets}
+    assert names == TORCH_FACTS_BY_HAND, f"read these from the fixes' declarations: {names - TORCH_FACTS_BY_HAND}"
+
+
+@pytest.mark.release_independent
+def test_the_soaks_actions_and_hazards_are_the_fixes():
+    ran = run_ok(
+        """
+import json
+from torchfix.doctor import stress
+print(json.dumps({"actions": [a.name for a in stress.ACTIONS], "errors": stress.ERROR_HAZARDS}))
+""",
+        disable="1",
+        forked="torch",
+    ).json()
+    actions, texts = ran["actions"], [text for text, _hazard in ran["errors"]]
+    assert len(actions) == len(set(actions)) and len(texts) == len(set(texts)), ran  # each names one
+    assert set(actions) == {*STRESS_ACTIONS.split(","), "export", "inductor call"}  # what --actions has taken
+    hazards = {hazard for _text, hazard in ran["errors"]} - {"compiled call ran eagerly"}
+    assert hazards <= {fix["name"] for fix in FIXES}, hazards
 
 
 def test_the_readmes_before_and_after_fails_without_torchfix_and_passes_with_it():

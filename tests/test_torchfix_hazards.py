@@ -10,10 +10,10 @@ from conftest import (
     HAS_H1,
     HAS_H3,
     HAS_H6,
-    HAS_RECHECK_FIX,
     SCENARIOS,
     TORCH_CRASHES_ON_CONCURRENT_RECOMPILE,
     hazard_here,
+    needs_fix,
     run_ok,
     run_scenario,
 )
@@ -82,11 +82,9 @@ def test_h7_cudagraph_step_counters_are_the_acting_threads_own():
     assert result["detail"].endswith("the acting thread's: (-1, True)"), result  # its own mark-step counts
 
 
-needs_recheck_fix = pytest.mark.skipif(
-    not HAS_RECHECK_FIX,
-    reason="compile-cache-recheck needs torch 2.6+ (below, whether threads duplicate a compile varies: "
-    "2.2 does; 2.0 runs the waiting threads uncompiled, 2.3 did not either)",
-)
+# Below its releases, whether threads duplicate a compile varies: 2.2 does; 2.0 runs the waiting threads
+# uncompiled, 2.3 did not either.
+needs_recheck_fix = needs_fix("compile-cache-recheck")
 
 
 @needs_recheck_fix

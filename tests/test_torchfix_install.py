@@ -1,7 +1,7 @@
 """Import orderings and the install/uninstall lifecycle, each in a fresh interpreter."""
 
 import pytest
-from conftest import HAS_H1, HAS_H3, HAS_H4, HAS_RECHECK_FIX, SCENARIOS, hazard_here, run_ok, run_scenario
+from conftest import HAS_H1, HAS_H3, HAS_H4, SCENARIOS, hazard_here, needs_fix, run_ok, run_scenario
 
 needs_h1 = pytest.mark.skipif(not HAS_H1, reason="torch 2.14+ keeps the FX flag per thread itself")
 
@@ -176,7 +176,7 @@ print(json.dumps(seen))
 """
 
 
-@pytest.mark.skipif(not HAS_RECHECK_FIX, reason="compile-cache-recheck needs torch 2.6+")
+@needs_fix("compile-cache-recheck")
 @pytest.mark.parametrize(
     "prelude, steps, expected",
     [
@@ -198,7 +198,7 @@ def test_fix_that_waits_for_dynamo(prelude, steps, expected):
     assert seen == expected
 
 
-@pytest.mark.skipif(not HAS_RECHECK_FIX, reason="compile-cache-recheck needs torch 2.6+")
+@needs_fix("compile-cache-recheck")
 def test_uninstall_restores_dynamo_callback():
     ran = run_ok(
         """
@@ -259,14 +259,6 @@ print(json.dumps(found))
         "uninstalled": [2.0, 2.0],
         "seen inside the graphs": [True, True, True],
     }
-
-
-def test_the_tests_know_the_newest_checked_release():
-    from conftest import UNCHECKED
-
-    newest = run_ok("from torchfix._fix import NEWEST_CHECKED; print(NEWEST_CHECKED)").stdout.strip()
-    major, minor = map(int, newest.split("."))
-    assert UNCHECKED == (major, minor + 1), (UNCHECKED, newest)
 
 
 # Per fix, its first scenario that shows a hazard on this torch and leaves the process usable without the fix.

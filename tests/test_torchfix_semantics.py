@@ -2,7 +2,7 @@
 the forward's flag (torch 2.14's behaviour), verify() catches a global access left behind."""
 
 import pytest
-from conftest import HAS_H1, HAS_H3, HAS_H5_FIX, TORCH_VERSION, run_ok
+from conftest import HAS_H1, HAS_H3, HAS_H5_FIX, TORCH_VERSION, needs_fix, run_ok
 
 
 def test_fullgraph_compile_folds_the_predicates(disabled):
@@ -188,7 +188,7 @@ print(json.dumps([inside, after]))
     assert ran == [False, True]
 
 
-@pytest.mark.skipif(not HAS_H5_FIX, reason="no H5 before torch 2.6: the backward compiler takes no lock")
+@needs_fix("backward-compile-deadlock")
 def test_backward_is_compiled_with_the_forward_in_every_thread(disabled):
     # The H5 fix: a backward graph is compiled inside the forward compile (under the lock it holds), not
     # lazily on autograd's device thread; in threads started before `import torchfix` too.
@@ -256,7 +256,7 @@ print(json.dumps([pending, seen]))
     ).json()
     pending, seen = ran
     if not HAS_H5_FIX:
-        pytest.skip("before torch 2.6 the fix is not needed")
+        pytest.skip("backward-compile-deadlock does not patch this torch")
     assert pending and seen["before"] == "pending import", ran
     assert seen["after"] == "applied" and seen["compiled before backward"] == ["forward", "backward"], ran
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 from .patching.cache import rebuilt_on_failure
 
 if TYPE_CHECKING:
+    import random
+
     from .doctor.scenarios import Result
 
 # The newest torch minor release every fix was checked against: a later one is "unsupported" until checked.
@@ -79,6 +81,30 @@ class Scenario:
         """The call as source, for a fresh interpreter that has imported torchfix (which imports every fix
         module): ``torchfix.fixes.fx_tracing_flag.h1_nested_trace_error('make_fx')``."""
         return f"{self.function.__module__}.{self.name}"
+
+
+@dataclass(frozen=True)
+class SoakAction:
+    """One of the soak's actions (``python -m torchfix stress --actions NAME``): what worker threads repeat, at once."""
+
+    name: str  # in --actions and the report
+    weight: int  # how often a worker picks it, against the other actions' weights
+    # Called once per run, in the soak's main thread before any action: the action (it raises AssertionError with a
+    # message when its result is wrong), or None where this torch lacks what it uses.
+    make: Callable[[], Callable[[random.Random], None] | None]
+
+
+@dataclass(frozen=True)
+class SoakCheck:
+    """What the soak (``python -m torchfix stress``) does and looks for about one fix's hazard; its report counts
+    the errors, leaked samples and state stuck at the end under the fix's name."""
+
+    errors: tuple[str, ...] = ()  # texts that, in the message of an error an action raised, identify this hazard
+    actions: tuple[SoakAction, ...] = ()  # the actions whose own check is of this hazard
+    # Made once per run, in the soak's main thread before any action (it may note torch's state then): the probe
+    # the main thread, which runs no action, samples: whether it sees this hazard's state, set by another thread.
+    # Its argument is True once the workers have stopped: whether the state was left set.
+    leak_probe: Callable[[], Callable[[bool], bool]] | None = None
 
 
 class Patch(Protocol):
@@ -153,6 +179,7 @@ class Fix:
     symptom: str = ""  # what a user sees without the fix (measured: which torch, how often)
     releases_note: str = ""  # why ``versions`` is what it is, e.g. 'before 2.3: "not needed"'
     caveats: str = ""  # what the fix changes beyond removing the hazard, that a user may notice
+    soak: SoakCheck | None = None  # what the soak does and looks for about the hazard (see SoakCheck)
 
     def supports(self, torch_version: str) -> bool:
         return torch_version in self.versions

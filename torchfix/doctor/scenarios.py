@@ -54,6 +54,26 @@ def compiled_add_one() -> Callable:
     return compiled
 
 
+def counting_compile(function: Callable, backend: str) -> tuple[Callable, Callable[[], int]]:
+    """``torch.compile(function, backend=backend)``, and how often the calling thread has run the graphs it compiled
+    to: a call that runs none ran eagerly."""
+    import torch
+    from torch._dynamo.backends.registry import lookup_backend
+
+    runs = threading.local()
+
+    def counting(gm, example_inputs):
+        compiled = lookup_backend(backend)(gm, example_inputs)
+
+        def run(*args):
+            runs.count = getattr(runs, "count", 0) + 1
+            return compiled(*args)
+
+        return run
+
+    return torch.compile(function, backend=counting), lambda: getattr(runs, "count", 0)
+
+
 def call_compiled(compiled: Callable) -> str | None:
     """Call a compiled function; the nested-trace error's message if it raised it."""
     import torch

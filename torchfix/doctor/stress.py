@@ -6,8 +6,10 @@ functions, an eager ``torch.cond`` (a higher-order op: it enters ``_set_compilat
 functions compiled with ``aot_eager`` (and inductor), fresh compiles, ``torch.export`` with a save/load
 round trip, compiled calls inside ``set_stance("force_eager")``, node-meta recording and the code of one shared graph
 written again (what threads' first calls of one compiled graph do). The main thread
-does none of it: it samples every flag torchfix makes per thread, and each sample showing another
-thread's state is a leak. Once the workers stop, every flag must be back at its default (a stuck flag).
+does none of it: it samples each fix's leak probe, and each sample showing another thread's state is a leak.
+Once the workers stop, every probe must find its state back at its default (a stuck flag). What the soak does and
+looks for about one fix's hazard is that fix's declaration (``Fix.soak``: the actions whose check is of it, the
+texts that name it in an error, its leak probe), and the report counts it under the fix's name.
 
 Each run is a fresh interpreter (``--child``); the parent runs torchfix on, then off (``TORCHFIX_DISABLE=1``),
 with the same seed, and prints errors, leaked samples and stuck state per hazard side by side. Each run first does
@@ -33,157 +35,85 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
+from .. import fixes
+from .._fix import SoakAction
 from . import scenarios
 
-# What an error message says about its hazard; anything else is reported as "other".
-ERROR_HAZARDS = [
-    (scenarios.NESTED_TRACE_ERROR, "H1 FX tracing flag"),
-    ("is not installed as a submodule", "H4 trace patches"),
-    ("CURRENT_PATCHER", "H4 trace patches"),
-    ("traced graph", "H4 trace patches"),
-    ("an eager module", "H4 trace patches"),
-    ("ran uncompiled", "compiled call ran eagerly"),
-    ("force_eager ran compiled", "stance"),
-    ("node meta of another thread", "node meta"),
-    ("_CURRENT_DESERIALIZER", "export deserializer"),
-    ("_EXPORT_MODULE_HIERARCHY", "export trace"),
-    ("graph code", "FX codegen names"),
-    ("cannot access local variable", "FX codegen names"),  # a node defined under one name, used under another
-    ("referenced before assignment", "FX codegen names"),  # the same, in Python 3.10's words
-]
+
+def _add_one(x):
+    return x + 1
 
 
-# The names of Soak's actions (its menu), for --actions.
-ACTIONS = [
-    "symbolic_trace",
-    "make_fx",
-    "eager cond",
-    "compiled call",
-    "fresh compile",
-    "export",
-    "stance force_eager",
-    "node meta",
-    "eager module",
-    "inductor call",
-    "graph code",
-]
+def _times_two(x):
+    return x * 2
 
 
-class Soak:
-    """The actions, the checks and the counts of one run (one interpreter)."""
+# The soak's own actions: torch's entry points, whose runs at once make the fixes' hazards show (each checks its
+# result, and counts a failure under the hazard whose declared text its message has). The actions whose own check
+# is of one fix's hazard are that fix's (``Fix.soak``).
 
-    def __init__(self, seed: int, inductor: bool, actions: list[str] | None = None) -> None:
-        import torch
-        import torch.fx
-        from torch.fx import traceback as fx_traceback
 
-        self.torch, self.fx_traceback = torch, fx_traceback
-        self.seed = seed
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.actions: Counter[str] = Counter()
-        self.errors: defaultdict[str, Counter[str]] = defaultdict(Counter)
-        self.leaks: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])  # hazard -> [leaked, samples]
-        self.graph_calls = Counter()  # per thread: how often the compiled graph of self.compiled ran
-        self.original_slots = (torch.nn.Module.__call__, torch.nn.Module.__getattr__)
-        self.compiled = torch.compile(self._add_one, backend=self._counting("aot_eager"))
-        self.compiled_inductor = torch.compile(self._times_two) if inductor else None
-        self.module = torch.nn.Linear(3, 3)
-        self.shared_graph = torch.fx.symbolic_trace(self._chain)  # whose code every thread writes again
-        self.shared_code = self.shared_graph.code
-        # (name, action, weight, whether this torch has what it uses)
-        menu = [
-            ("symbolic_trace", self.symbolic_trace, 3, True),
-            ("make_fx", self.make_fx, 3, True),
-            ("eager cond", self.eager_cond, 2, hasattr(torch, "cond")),
-            ("compiled call", self.compiled_call, 6, True),
-            ("fresh compile", self.fresh_compile, 1, True),
-            ("export", self.export, 1, hasattr(getattr(torch, "export", None), "load")),
-            ("stance force_eager", self.stance, 1, hasattr(getattr(torch, "compiler", None), "set_stance")),
-            ("node meta", self.node_meta, 2, True),
-            ("eager module", self.eager_module, 4, True),
-            ("inductor call", self.inductor_call, 2, inductor),
-            ("graph code", self.graph_code, 2, True),
-        ]
-        self.menu = [
-            (name, action, weight) for name, action, weight, present in menu if present and name in (actions or [name])
-        ]
-        # What the main thread's sample calls: an eager module runs as it should (no tracer's patch on it).
-        self.probe = torch.nn.Linear(2, 2)
-        with torch.no_grad():
-            self.probe_input = torch.ones(1, 2)
-            self.probe_output = self.probe(self.probe_input)
+def _make_fx() -> Callable[[random.Random], None]:
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
 
-    # --- the actions: each raises AssertionError when its result is wrong -----------------------------
-
-    @staticmethod
-    def _add_one(x):
-        return x + 1
-
-    @staticmethod
-    def _times_two(x):
-        return x * 2
-
-    @staticmethod
-    def _chain(x):
-        for _ in range(100):
-            x = x.relu() + x.sin()
-        return x
-
-    def _counting(self, backend: str) -> Callable:
-        """``backend`` whose compiled graphs count their runs: a call that did not run one ran eagerly."""
-        from torch._dynamo.backends.registry import lookup_backend
-
-        inner = lookup_backend(backend)
-
-        def counting(gm, example_inputs):
-            compiled = inner(gm, example_inputs)
-
-            def run(*args):
-                with self.lock:
-                    self.graph_calls[threading.get_ident()] += 1
-                return compiled(*args)
-
-            return run
-
-        return counting
-
-    def symbolic_trace(self, rng: random.Random) -> None:
-        ops = scenarios.graph_ops(scenarios.module_around(self._add_one))
-        assert ops == scenarios.MODULE_GRAPH, f"traced graph {ops}"
-
-    def make_fx(self, rng: random.Random) -> None:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        graph = make_fx(self._times_two)(self.torch.ones(2))
+    def trace(rng: random.Random) -> None:
+        graph = make_fx(_times_two)(torch.ones(2))
         targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
         assert targets == ["aten.mul.Tensor"], f"make_fx graph {targets}"
 
-    def eager_cond(self, rng: random.Random) -> None:
-        torch = self.torch
+    return trace
+
+
+def _eager_cond() -> Callable[[random.Random], None] | None:
+    """A higher-order op called eagerly: it enters ``_set_compilation_env``."""
+    import torch
+
+    if not hasattr(torch, "cond"):
+        return None
+
+    def cond(rng: random.Random) -> None:
         x = torch.full((2,), float(rng.randint(-3, 3)))
         out = torch.cond(x.sum() > 0, lambda v: v + 1, lambda v: v - 1, (x,))
         assert torch.equal(out, x + 1 if x.sum() > 0 else x - 1), "torch.cond gave a wrong result"
 
-    def compiled_call(self, rng: random.Random) -> None:
-        me = threading.get_ident()
-        before = self.graph_calls[me]
-        x = self.torch.full((2,), float(rng.randint(0, 9)))
-        assert self.torch.equal(self.compiled(x), x + 1), "compiled call gave a wrong result"
-        assert self.graph_calls[me] == before + 1, "a compiled call ran uncompiled"
+    return cond
 
-    def fresh_compile(self, rng: random.Random) -> None:
+
+def _compiled_call() -> Callable[[random.Random], None]:
+    import torch
+
+    compiled, graph_runs = scenarios.counting_compile(_add_one, "aot_eager")
+
+    def call(rng: random.Random) -> None:
+        before = graph_runs()
+        x = torch.full((2,), float(rng.randint(0, 9)))
+        assert torch.equal(compiled(x), x + 1), "compiled call gave a wrong result"
+        assert graph_runs() == before + 1, "a compiled call ran uncompiled"
+
+    return call
+
+
+def _fresh_compile() -> Callable[[random.Random], None]:
+    import torch
+
+    def compile_and_call(rng: random.Random) -> None:
         k = rng.randint(2, 9)
-        fn = self.torch.compile(lambda x: x * k - 1, backend="aot_eager")
-        x = self.torch.ones(3)
-        assert self.torch.equal(fn(x), x * k - 1), "fresh compile gave a wrong result"
+        fn = torch.compile(lambda x: x * k - 1, backend="aot_eager")
+        x = torch.ones(3)
+        assert torch.equal(fn(x), x * k - 1), "fresh compile gave a wrong result"
 
-    def inductor_call(self, rng: random.Random) -> None:
-        x = self.torch.full((4,), float(rng.randint(0, 9)))
-        assert self.torch.equal(self.compiled_inductor(x), x * 2), "inductor call gave a wrong result"
+    return compile_and_call
 
-    def export(self, rng: random.Random) -> None:
-        torch = self.torch
+
+def _export() -> Callable[[random.Random], None] | None:
+    """``torch.export`` with a save/load round trip."""
+    import torch
+
+    if not hasattr(getattr(torch, "export", None), "load"):
+        return None
+
+    def export(rng: random.Random) -> None:
         x = torch.randn(2, 3, generator=torch.Generator().manual_seed(rng.randint(0, 99)))
         program = torch.export.export(torch.nn.Linear(3, 3), (x,))
         buffer = io.BytesIO()
@@ -191,35 +121,57 @@ class Soak:
         loaded = torch.export.load(io.BytesIO(buffer.getvalue()))
         assert torch.allclose(loaded.module()(x), program.module()(x)), "export load gave another program"
 
-    def stance(self, rng: random.Random) -> None:
-        me = threading.get_ident()
-        before = self.graph_calls[me]
-        with self.torch.compiler.set_stance("force_eager"):
-            x = self.torch.ones(2)
-            assert self.torch.equal(self.compiled(x), x + 1), "compiled call under force_eager: wrong result"
-        assert self.graph_calls[me] == before, "a compiled call under this thread's force_eager ran compiled"
+    return export
 
-    def node_meta(self, rng: random.Random) -> None:
-        fx_traceback = self.fx_traceback
-        marker = f"torchfix-stress {threading.get_ident()}"
-        with fx_traceback.preserve_node_meta():
-            fx_traceback.set_stack_trace([marker])
-            seen = fx_traceback.get_current_meta().get("stack_trace")
-        assert seen is not None and marker in seen, f"node meta of another thread: {seen!r}"
 
-    def graph_code(self, rng: random.Random) -> None:
-        graph = self.shared_graph
-        graph.recompile()
-        x = self.torch.full((2,), float(rng.randint(-3, 3)))
-        assert graph.code == self.shared_code, "graph code written wrong (names of another thread's writing)"
-        assert self.torch.equal(graph(x), self._chain(x)), "graph code gave a wrong result"
+def _inductor_call() -> Callable[[random.Random], None]:
+    import torch
 
-    def eager_module(self, rng: random.Random) -> None:
-        torch = self.torch
-        x = torch.ones(1, 3)
-        with torch.no_grad():
-            want = x @ self.module.weight.T + self.module.bias
-            assert torch.allclose(self.module(x), want), "an eager module gave a wrong result"
+    compiled = torch.compile(_times_two)
+
+    def call(rng: random.Random) -> None:
+        x = torch.full((4,), float(rng.randint(0, 9)))
+        assert torch.equal(compiled(x), x * 2), "inductor call gave a wrong result"
+
+    return call
+
+
+INDUCTOR_CALL = "inductor call"  # left out by --no-inductor
+OWN_ACTIONS = (
+    SoakAction("make_fx", 3, _make_fx),
+    SoakAction("eager cond", 2, _eager_cond),
+    SoakAction("compiled call", 6, _compiled_call),
+    SoakAction("fresh compile", 1, _fresh_compile),
+    SoakAction("export", 1, _export),
+    SoakAction(INDUCTOR_CALL, 2, _inductor_call),
+)
+# Every action (the menu; --actions names them): the soak's own, then the fixes' in the order they apply.
+ACTIONS: list[SoakAction] = [*OWN_ACTIONS, *(action for fix in fixes.ALL if fix.soak for action in fix.soak.actions)]
+# What an error message says about its hazard, by the fix's name; anything else is reported as "other". A compiled
+# call that ran eagerly is what several fixes' hazards do to it: counted apart.
+ERROR_HAZARDS = [(text, fix.name) for fix in fixes.ALL if fix.soak for text in fix.soak.errors]
+ERROR_HAZARDS.append(("ran uncompiled", "compiled call ran eagerly"))
+
+
+class Soak:
+    """The actions, the checks and the counts of one run (one interpreter)."""
+
+    def __init__(self, seed: int, inductor: bool, actions: list[str] | None = None) -> None:
+        self.seed = seed
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.actions: Counter[str] = Counter()
+        self.errors: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self.leaks: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])  # hazard -> [leaked, samples]
+        # What the main thread samples, per fix: made first, before any action has run.
+        self.leak_probes = {fix.name: fix.soak.leak_probe() for fix in fixes.ALL if fix.soak and fix.soak.leak_probe}
+        chosen = [
+            action
+            for action in ACTIONS
+            if action.name in (actions or [action.name]) and (inductor or action.name != INDUCTOR_CALL)
+        ]
+        made = [(action.name, action.make(), action.weight) for action in chosen]
+        self.menu = [(name, act, weight) for name, act, weight in made if act is not None]
 
     # --- the threads ---------------------------------------------------------------------------------
 
@@ -263,32 +215,10 @@ class Soak:
                 else:
                     self.after_window += 1
 
-    def _probe_misbehaves(self) -> bool:
-        try:
-            with self.torch.no_grad():
-                return not self.torch.equal(self.probe(self.probe_input), self.probe_output)
-        except Exception:
-            return True
-
     def flags(self, at_end: bool = False) -> dict[str, bool]:
-        """Per hazard: whether this (the main) thread sees state that only another thread can have set.
-        ``at_end``: with no trace running any more, ``nn.Module``'s slots must be torch's own again."""
-        torch = self.torch
-        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        serialize = sys.modules.get("torch._export.serde.serialize")
-        export_trace = sys.modules.get("torch.export._trace")
-        stance = getattr(getattr(eval_frame, "_stance", None), "stance", "default")
-        compiler = getattr(torch, "compiler", None)  # 2.1+; is_compiling 2.3+, is_exporting 2.4+
-        return {
-            "H1 FX tracing flag": torch.fx._symbolic_trace.is_fx_tracing(),
-            "H3 compile flags": any(getattr(compiler, name, bool)() for name in ("is_compiling", "is_exporting")),
-            "H4 trace patches": self._probe_misbehaves()
-            or (at_end and (torch.nn.Module.__call__, torch.nn.Module.__getattr__) != self.original_slots),
-            "stance": stance != "default",
-            "node meta": self.fx_traceback.has_preserved_node_meta() or bool(self.fx_traceback.get_current_meta()),
-            "export deserializer": getattr(serialize, "_CURRENT_DESERIALIZER", None) is not None,
-            "export trace": getattr(export_trace, "_EXPORT_MODULE_HIERARCHY", None) is not None,
-        }
+        """Per hazard: whether this (the main) thread sees state that only another thread can have set; ``at_end``
+        (no action runs any more): whether state is left set."""
+        return {hazard: leaked(at_end) for hazard, leaked in self.leak_probes.items()}
 
     def run(self, seconds: float, threads: int, warm_up: bool = True) -> dict[str, object]:
         warm_up_s = self.warm_up() if warm_up else 0.0
@@ -413,9 +343,10 @@ def main(args: argparse.Namespace) -> int:
         print("stress: --seconds must be positive and --threads at least 1", file=sys.stderr)
         return 2
     actions = [name.strip() for name in args.actions.split(",") if name.strip()] if args.actions else None
-    unknown = sorted(set(actions or []) - set(ACTIONS))
+    names = [action.name for action in ACTIONS]
+    unknown = sorted(set(actions or []) - set(names))
     if unknown:
-        print(f"stress: unknown action(s) {', '.join(unknown)}; the actions: {', '.join(ACTIONS)}", file=sys.stderr)
+        print(f"stress: unknown action(s) {', '.join(unknown)}; the actions: {', '.join(names)}", file=sys.stderr)
         return 2
     if args.child:
         return child(args.seconds, args.threads, args.seed, args.inductor, actions, args.warm_up)
@@ -433,7 +364,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-inductor", dest="inductor", action="store_false", help="leave inductor compiles out")
     parser.add_argument("--torchfix", choices=("both", "on", "off"), default="both", help="which runs (default both)")
     parser.add_argument(
-        "--actions", default="", help=f"comma-separated, the workers' actions (default all): {', '.join(ACTIONS)}"
+        "--actions",
+        default="",
+        help=f"comma-separated, the workers' actions (default all): {', '.join(action.name for action in ACTIONS)}",
     )
     parser.add_argument(
         "--no-warm-up",

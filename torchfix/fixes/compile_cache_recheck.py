@@ -311,7 +311,8 @@ FIX = Fix(
     hazard_is_cost=True,
     scenarios=(
         # Below 2.6 (no fix), whether threads duplicate a compile varies (2.2 does; 2.0 runs the waiting threads
-        # uncompiled); 2.10 - 2.11 can crash (SIGSEGV) duplicating one.
+        # uncompiled); 2.10 - 2.11 can crash (SIGSEGV) duplicating one, and, with the fix too, when a thread
+        # recompiles a frame that others wait to run (its ``sizes`` and ``backends`` calls): seen in the matrix.
         Scenario(duplicate_compiles, releases("2.6"), args=(3,), needs_fix=True, crashes=releases("2.10", "2.11")),
     ),
     shared_state=(

@@ -19,10 +19,13 @@ that thread's stance (the default), not the stance of the thread whose backward 
 
 from __future__ import annotations
 
+import random
+import sys
 import threading
+from collections.abc import Callable
 
-from .._fix import Fix, Scenario, releases
-from ..doctor.scenarios import Result
+from .._fix import Fix, Scenario, SoakAction, SoakCheck, releases
+from ..doctor.scenarios import Result, counting_compile, fresh_add_one
 from ..patching.patches import ThreadLocalGlobals, moved_global_probe
 
 MODULE = "torch._dynamo.eval_frame"
@@ -65,6 +68,30 @@ def stance_elsewhere(timeout: float = 60.0) -> Result | None:
     return Result("stance (set_stance('force_eager') in one thread, a compiled call in another)", not compiles, detail)
 
 
+def soak_stance() -> Callable[[random.Random], None] | None:
+    """The soak's ``stance force_eager``: a compiled call inside this thread's ``set_stance("force_eager")`` must
+    run eagerly (another thread restoring the stance makes it run compiled). None before torch 2.6."""
+    import torch
+
+    if not hasattr(getattr(torch, "compiler", None), "set_stance"):
+        return None
+    compiled, graph_runs = counting_compile(fresh_add_one(), "aot_eager")
+
+    def call(rng: random.Random) -> None:
+        before = graph_runs()
+        with torch.compiler.set_stance("force_eager"):
+            x = torch.ones(2)
+            assert torch.equal(compiled(x), x + 1), "compiled call under force_eager: wrong result"
+        assert graph_runs() == before, "a compiled call under this thread's force_eager ran compiled"
+
+    return call
+
+
+def soak_leak_probe() -> Callable[[bool], bool]:
+    """Whether the calling thread's stance is not the default."""
+    return lambda at_end: getattr(getattr(sys.modules.get(MODULE), "_stance", None), "stance", "default") != "default"
+
+
 FIX = Fix(
     name="compile-stance",
     order=60,
@@ -85,4 +112,9 @@ FIX = Fix(
         "thread's compiled calls run eagerly, silently"
     ),
     releases_note='no `set_stance` before 2.6: "not needed"',
+    soak=SoakCheck(
+        errors=("force_eager ran compiled",),
+        actions=(SoakAction("stance force_eager", 1, soak_stance),),
+        leak_probe=soak_leak_probe,
+    ),
 )

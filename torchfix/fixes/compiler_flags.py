@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 
-from .._fix import Fix, Scenario, releases
+from .._fix import Fix, Scenario, SoakCheck, releases
 from ..doctor.scenarios import HeldTrace, Result
 from ..patching.patches import AttributeUses, ThreadLocalGlobals
 
@@ -93,6 +94,14 @@ def h3_is_compiling_elsewhere(timeout: float = 60.0) -> Result | None:
     return Result("H3 (torch.compile in one thread, is_compiling() in another)", elsewhere, detail)
 
 
+def soak_leak_probe() -> Callable[[bool], bool]:
+    """Whether ``torch.compiler`` says the calling thread compiles or exports."""
+    import torch
+
+    compiler = getattr(torch, "compiler", None)  # 2.1+; is_compiling 2.3+, is_exporting 2.4+
+    return lambda at_end: any(getattr(compiler, name, bool)() for name in ("is_compiling", "is_exporting"))
+
+
 FIX = Fix(
     name="compiler-flags",
     order=20,
@@ -110,4 +119,5 @@ FIX = Fix(
         "eager code there takes compile-only paths"
     ),
     releases_note='no such flags before 2.3: "not needed"',
+    soak=SoakCheck(leak_probe=soak_leak_probe),
 )

@@ -16,9 +16,11 @@ still cannot nest two deserializations (torch's check stays, per thread).
 
 from __future__ import annotations
 
+import sys
 import threading
+from collections.abc import Callable
 
-from .._fix import Scenario, releases
+from .._fix import Scenario, SoakCheck, releases
 from ..doctor.scenarios import Result
 from ..patching.patches import moved_globals_fix
 
@@ -78,6 +80,11 @@ def export_load_elsewhere(timeout: float = 60.0) -> Result | None:
     )
 
 
+def soak_leak_probe() -> Callable[[bool], bool]:
+    """Whether the calling thread sees ``_CURRENT_DESERIALIZER`` set (by another thread's torch.export.load)."""
+    return lambda at_end: getattr(sys.modules.get(MODULE), "_CURRENT_DESERIALIZER", None) is not None
+
+
 FIX = moved_globals_fix(
     "export-deserializer",
     "torch.export.load in two threads at once raises AssertionError: _CURRENT_DESERIALIZER is already set",
@@ -98,4 +105,5 @@ FIX = moved_globals_fix(
     ),
     releases_note='before 2.3: "not needed"',
     seen_in_backward=True,
+    soak=SoakCheck(errors=("_CURRENT_DESERIALIZER",), leak_probe=soak_leak_probe),
 )

@@ -13,7 +13,10 @@ Both move to per-thread storage (``_trace._export_trace_tls``) with :class:`Thre
 
 from __future__ import annotations
 
-from .._fix import Scenario, releases
+import sys
+from collections.abc import Callable
+
+from .._fix import Scenario, SoakCheck, releases
 from ..doctor.scenarios import HeldExport, Result, export_call_graph, export_never_held
 from ..patching.patches import moved_globals_fix
 
@@ -50,6 +53,11 @@ def export_trace_elsewhere(timeout: float = 60.0) -> Result | None:
     return Result(scenario, wrong, detail)
 
 
+def soak_leak_probe() -> Callable[[bool], bool]:
+    """Whether the calling thread sees ``_EXPORT_MODULE_HIERARCHY`` set (by another thread's torch.export.export)."""
+    return lambda at_end: getattr(sys.modules.get(MODULE), "_EXPORT_MODULE_HIERARCHY", None) is not None
+
+
 FIX = moved_globals_fix(
     "export-trace-state",
     "torch.export.export in two threads at once: one raises AssertionError: _EXPORT_MODULE_HIERARCHY must not be "
@@ -74,4 +82,5 @@ FIX = moved_globals_fix(
     ),
     releases_note='before 2.3: "not needed"',
     seen_in_backward=True,
+    soak=SoakCheck(errors=("_EXPORT_MODULE_HIERARCHY",), leak_probe=soak_leak_probe),
 )

@@ -22,10 +22,11 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+import random
 import threading
 from collections.abc import Callable, Iterator
 
-from .._fix import Fix, Scenario, releases
+from .._fix import Fix, Scenario, SoakAction, SoakCheck, releases
 from ..doctor.scenarios import Result, hold, line_of, started_thread, stopping
 from ..patching.patches import SourcePatch, per_thread_class
 from ..patching.source import Edit, ShapeError, definition, find_replaced, iter_code, replace_node, segment
@@ -201,6 +202,30 @@ def one_graph_written_twice(timeout: float = 60.0) -> Result:
     return Result("one graph's code written by two threads at once", bool(wrong or errors), detail)
 
 
+def _chain(x):
+    for _ in range(100):
+        x = x.relu() + x.sin()
+    return x
+
+
+def soak_graph_code() -> Callable[[random.Random], None]:
+    """The soak's ``graph code``: every thread writes the code of one shared graph again (what threads' first calls
+    of one compiled graph do); it must come out as it was, and compute what it did."""
+    import torch
+    import torch.fx
+
+    graph = torch.fx.symbolic_trace(_chain)
+    code = graph.code
+
+    def write(rng: random.Random) -> None:
+        graph.recompile()
+        x = torch.full((2,), float(rng.randint(-3, 3)))
+        assert graph.code == code, "graph code written wrong (names of another thread's writing)"
+        assert torch.equal(graph(x), _chain(x)), "graph code gave a wrong result"
+
+    return write
+
+
 FIX = Fix(
     name="fx-codegen-names",
     order=85,
@@ -222,5 +247,10 @@ FIX = Fix(
         "every call (a CI run of the trainer's tests, torch 2.13; the same smoke run with "
         "`sys.setswitchinterval(1e-5)`: 2 of 11 runs so without the fix, 0 of 10 with it); 11 – 17 of 400 "
         "codegens of one graph by two threads came out wrong. The naming is now the writing thread's"
+    ),
+    soak=SoakCheck(
+        # A node defined under one name and used under another: Python 3.11's words, then 3.10's.
+        errors=("graph code", "cannot access local variable", "referenced before assignment"),
+        actions=(SoakAction("graph code", 2, soak_graph_code),),
     ),
 )

@@ -22,11 +22,13 @@ compile) had rebound the global; its read goes through the module attribute too 
 
 from __future__ import annotations
 
+import random
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 
-from .._fix import Fix, Scenario, releases
+from .._fix import Fix, Scenario, SoakAction, SoakCheck, releases
 from ..doctor.scenarios import Result, in_thread
 from ..patching.patches import ImportedNameUses, ThreadLocalGlobals, moved_global_probe
 
@@ -100,6 +102,27 @@ def flex_sparsity_hint(timeout: float = 60.0) -> Result | None:
     return Result("flex attention's sparsity hint (annotated in the calling thread)", hint != 0.5, f"recorded {hint}")
 
 
+def soak_node_meta() -> Callable[[random.Random], None]:
+    """The soak's ``node meta``: the stack trace a thread records must be its own."""
+    from torch.fx import traceback as fx_traceback
+
+    def record(rng: random.Random) -> None:
+        marker = f"torchfix-stress {threading.get_ident()}"
+        with fx_traceback.preserve_node_meta():
+            fx_traceback.set_stack_trace([marker])
+            seen = fx_traceback.get_current_meta().get("stack_trace")
+        assert seen is not None and marker in seen, f"node meta of another thread: {seen!r}"
+
+    return record
+
+
+def soak_leak_probe() -> Callable[[bool], bool]:
+    """Whether the calling thread preserves node meta, or has any."""
+    from torch.fx import traceback as fx_traceback
+
+    return lambda at_end: fx_traceback.has_preserved_node_meta() or bool(fx_traceback.get_current_meta())
+
+
 FIX = Fix(
     name="fx-node-meta",
     order=80,
@@ -145,5 +168,10 @@ FIX = Fix(
         "attention's autograd forward, which imports `current_meta` by name, records the sparsity hint of the "
         'dict bound at import, not the calling thread\'s `annotate({"sparsity_hint": ...})` (stale even in one '
         "thread after any compile: 0.0 instead of 0.5, torch 2.13, 2.15); it now reads it through the module"
+    ),
+    soak=SoakCheck(
+        errors=("node meta of another thread",),
+        actions=(SoakAction("node meta", 2, soak_node_meta),),
+        leak_probe=soak_leak_probe,
     ),
 )

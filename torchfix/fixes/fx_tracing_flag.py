@@ -22,8 +22,8 @@ import threading
 import types
 from collections.abc import Callable, Iterator
 
-from .._fix import Fix, Scenario, releases
-from ..doctor.scenarios import HeldTrace, Result, call_compiled, compiled_add_one
+from .._fix import Fix, Scenario, SoakCheck, releases
+from ..doctor.scenarios import NESTED_TRACE_ERROR, HeldTrace, Result, call_compiled, compiled_add_one
 from ..patching.patches import AttributeUses, SourcePatch, ThreadLocalGlobals
 from ..patching.source import Edit, ShapeError, definitions, find_replaced, insert_at, nested_function, parse
 
@@ -250,6 +250,13 @@ def many_threads(rounds: int = 20, callers: int = 4, timeout: float = 60.0) -> R
     )
 
 
+def soak_leak_probe() -> Callable[[bool], bool]:
+    """Whether the calling thread is inside an FX trace."""
+    import torch.fx
+
+    return lambda at_end: torch.fx._symbolic_trace.is_fx_tracing()
+
+
 FIX = Fix(
     name="fx-tracing-flag",
     order=10,
@@ -281,4 +288,5 @@ FIX = Fix(
         "It also backports what torch 2.14 does beyond the flag: non-reentrant checkpoint recompute (which can "
         "run on autograd's device thread) re-applies the flag's value from the forward."
     ),
+    soak=SoakCheck(errors=(NESTED_TRACE_ERROR,), leak_probe=soak_leak_probe),
 )

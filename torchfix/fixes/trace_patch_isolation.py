@@ -27,12 +27,14 @@ The edits replace one statement or expression each, on its own line, in ``_Patch
 from __future__ import annotations
 
 import ast
+import random
 import sys
 import threading
 import types
+from collections.abc import Callable
 
-from .._fix import Fix, Scenario, releases
-from ..doctor.scenarios import MODULE_GRAPH, HeldTrace, Result, graph_ops, module_around
+from .._fix import Fix, Scenario, SoakAction, SoakCheck, releases
+from ..doctor.scenarios import MODULE_GRAPH, HeldTrace, Result, fresh_add_one, graph_ops, module_around
 from ..patching.patches import ThreadLocalGlobals
 from ..patching.slots import ThreadPatches, skip_in_dynamo_when_imported
 from ..patching.source import Edit, ShapeError, definitions, find_replaced, replace_node, segment
@@ -234,6 +236,52 @@ def concurrent_tracers(threads: int = 4, rounds: int = 5, timeout: float = 60.0)
     return Result(f"H4 x{traces} ({threads} threads tracing at once, {rounds} rounds)", bool(problems), detail)
 
 
+def soak_symbolic_trace() -> Callable[[random.Random], None]:
+    """The soak's ``symbolic_trace``: a module around a function; another thread's patches make another graph."""
+    add_one = fresh_add_one()
+
+    def trace(rng: random.Random) -> None:
+        ops = graph_ops(module_around(add_one))
+        assert ops == MODULE_GRAPH, f"traced graph {ops}"
+
+    return trace
+
+
+def soak_eager_module() -> Callable[[random.Random], None]:
+    """The soak's ``eager module``: a module called eagerly, which a tracer's patch in another thread takes over."""
+    import torch
+
+    module = torch.nn.Linear(3, 3)
+
+    def call(rng: random.Random) -> None:
+        x = torch.ones(1, 3)
+        with torch.no_grad():
+            want = x @ module.weight.T + module.bias
+            assert torch.allclose(module(x), want), "an eager module gave a wrong result"
+
+    return call
+
+
+def soak_leak_probe() -> Callable[[bool], bool]:
+    """Whether an eager module misbehaves in the calling thread (a tracer's patch on it); at the end also whether
+    ``nn.Module``'s slots are not what they were before the soak."""
+    import torch
+
+    slots = _module_slots()
+    probe, probe_input = torch.nn.Linear(2, 2), torch.ones(1, 2)
+    with torch.no_grad():
+        probe_output = probe(probe_input)
+
+    def misbehaves() -> bool:
+        try:
+            with torch.no_grad():
+                return not torch.equal(probe(probe_input), probe_output)
+        except Exception:
+            return True
+
+    return lambda at_end: misbehaves() or (at_end and _module_slots() != slots)
+
+
 FIX = Fix(
     name="trace-patch-isolation",
     order=30,
@@ -254,5 +302,13 @@ FIX = Fix(
         "eager modules in other threads run the tracer's wrappers (`NameError: module is not installed as a "
         "submodule`), overlapping traces corrupt each other (`AssertionError: CURRENT_PATCHER is None in finally "
         "block`)"
+    ),
+    soak=SoakCheck(
+        errors=("is not installed as a submodule", "CURRENT_PATCHER", "traced graph", "an eager module"),
+        actions=(
+            SoakAction("symbolic_trace", 3, soak_symbolic_trace),
+            SoakAction("eager module", 4, soak_eager_module),
+        ),
+        leak_probe=soak_leak_probe,
     ),
 )

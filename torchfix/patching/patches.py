@@ -19,7 +19,7 @@ import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
-from .._fix import Fix, Scenario, releases
+from .._fix import Fix, Scenario, SoakCheck, releases
 from .cache import cached, digest
 from .source import (
     Edit,
@@ -456,12 +456,13 @@ def moved_globals_fix(
     seen_in_backward: bool,
     trigger: str = "torch",
     scenarios: tuple[Scenario, ...] = (),
+    soak: SoakCheck | None = None,
     **facts: str,
 ) -> Fix:
     """A fix that moves globals of one torch module to per-thread storage (:class:`ThreadLocalGlobals`; ``optional``,
     ``own`` and ``seen_in_backward`` are its), and does nothing else: from torch ``first`` (before it, the first of
     ``moved`` does not exist) through the newest checked release. ``order``, ``facts`` (``symptom`` and the other
-    texts of the table of fixes) and the rest are :class:`Fix`'s."""
+    texts of the table of fixes), ``soak`` and the rest are :class:`Fix`'s."""
     probed = next(iter(moved))
     return Fix(
         name=name,
@@ -482,6 +483,7 @@ def moved_globals_fix(
         order=order,
         trigger=trigger,
         scenarios=scenarios,
+        soak=soak,
         **facts,
     )
 
