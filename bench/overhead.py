@@ -138,38 +138,39 @@ for line in sys.stdin:
 def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
     """Steps per second of one thread replaying a ``reduce-overhead`` compiled module's forward and backward, with
     torchfix and without (a process that never imports it), in turns (ABBA); the median of the rounds' ratios
-    with quartiles. Only one of the two processes runs at a time; the other waits on its pipe."""
+    with quartiles. A second process without torchfix runs in the same turns as a control: its ratio to the first
+    is what two identical processes differ by on this machine (the noise floor of the row). Only one process runs
+    at a time; the others wait on their pipes."""
     if not device.startswith("cuda"):
         return {"skipped": f"CUDA graphs need a CUDA device (--device cuda:0); this run's is {device}"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    imports_torchfix = {"with": True, "without": False, "control": False}
     workers = {
-        installed: subprocess.Popen(
+        label: subprocess.Popen(
             [sys.executable, "-c", REPLAY_WORKER, "1" if installed else "0", device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=env,
         )
-        for installed in (True, False)
+        for label, installed in imports_torchfix.items()
     }
     try:
-        for installed, proc in workers.items():
+        for label, proc in workers.items():
             if proc.stdout.readline().strip() != "ready":
-                return {"failed": f"the worker {'with' if installed else 'without'} torchfix did not start"}
+                return {"failed": f"the worker {label} torchfix did not start"}
 
-        def rate(installed: bool) -> float:
-            proc = workers[installed]
+        def rate(label: str) -> float:
+            proc = workers[label]
             proc.stdin.write(f"{steps}\n")
             proc.stdin.flush()
             return float(proc.stdout.readline())
 
-        with_fix, without_fix, ratios = [], [], []
+        rates: dict[str, list[float]] = {label: [] for label in workers}
         for round_no in range(rounds):
-            order = (True, False) if round_no % 2 == 0 else (False, True)
-            rates = {installed: rate(installed) for installed in order}
-            with_fix.append(rates[True])
-            without_fix.append(rates[False])
-            ratios.append(rates[True] / rates[False])
+            order = list(workers) if round_no % 2 == 0 else list(reversed(workers))
+            for label in order:
+                rates[label].append(rate(label))
     finally:
         for proc in workers.values():
             proc.stdin.close()
@@ -177,8 +178,13 @@ def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    control = [c / w for c, w in zip(rates["control"], rates["without"])]
+    control_quartiles = statistics.quantiles(control, n=4)
     return {
-        **_ratios(with_fix, without_fix, ratios),
+        **_ratios(rates["with"], rates["without"], [a / b for a, b in zip(rates["with"], rates["without"])]),
+        "control_ratio": statistics.median(control),
+        "control_ratio_q1": control_quartiles[0],
+        "control_ratio_q3": control_quartiles[2],
         "rounds": rounds,
         "steps_per_block": steps,
     }
@@ -258,6 +264,12 @@ def table(result: dict) -> str:
         lines.append(
             f"{key:<20} with {r['with_torchfix_per_s']:>12,.0f}/s  without {r['without_torchfix_per_s']:>12,.0f}/s"
             f"  ratio {r['ratio']:.4f} (quartiles {r['ratio_q1']:.3f} - {r['ratio_q3']:.3f})"
+            + (
+                f"; two processes without torchfix: {r['control_ratio']:.4f} "
+                f"({r['control_ratio_q1']:.3f} - {r['control_ratio_q3']:.3f})"
+                if "control_ratio" in r
+                else ""
+            )
         )
     for what, key in (("compiled call", "compiled_call_work"), ("compiled module call", "compiled_module_call_work")):
         work = result[key]
