@@ -383,8 +383,9 @@ def recompiles_elsewhere(timeout: float = 60.0) -> Result | None:
 FIX = Fix(
     name="current-device",
     order=358,
-    hazard="set_default_device writes the module global CURRENT_DEVICE: two threads unsetting theirs in the order "
-    "they set them leave it set for good; a thread without a default device recompiles while another has one",
+    hazard="the default device a thread sets is also written to one module global, CURRENT_DEVICE: two threads "
+    "that unset theirs in the order they set them leave it set for good; a thread with none recompiles while another "
+    "has one",
     versions=releases("2.1"),
     probe=_probe,
     patches=lambda _torch_version: [
