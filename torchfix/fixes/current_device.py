@@ -418,7 +418,7 @@ FIX = Fix(
     symptom="two threads that set a default device and unset it in the order they set it left CURRENT_DEVICE = meta "
     "for good; the main thread, with no default device, compiled its function again while another thread had one; "
     "a thread with meta ran the graph a thread with cpu compiled (2.13, 2.14.1, 2.15, forced with events); its two "
-    "scenarios: 4 of 4 runs on 2.13, 3 of 3 on 2.14.1 and 2.15 without the fix, none with it",
+    "scenarios: 5 of 5 runs on 2.13, 3 of 3 on 2.14.1 and 2.15 without the fix, none with it",
     releases_note="2.3 - 2.15; before 2.3 set_default_device itself is one setting for the process (its context a "
     'module global), so no thread has a value of its own: "not needed"; its guard is Python up to 2.3, C++ from 2.4',
     caveats="while some thread has a default device, torch.utils._device.CURRENT_DEVICE read from Python is an "

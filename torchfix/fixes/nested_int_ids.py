@@ -144,7 +144,7 @@ FIX = Fix(
     shared_state=f"{MODULE}.{COUNTER}: read by {FUNCTION} to make a jagged tensor's nested int, bumped after it "
     "(unlocked); FakeTensorMode reads it as its first nested-int id",
     symptom="a thread held between the counter's read and its bump, another thread's nested tensor of other offsets "
-    "got the same nested int, and A + B ran (2.13, 2.14.1, 2.15, forced with a line-trace hook); its scenario: 4 of 4 "
+    "got the same nested int, and A + B ran (2.13, 2.14.1, 2.15, forced with a line-trace hook); its scenario: 5 of 5 "
     "runs on 2.13, 3 of 3 on 2.14.1 and 2.15 without the fix, none with it",
     releases_note='2.2 - 2.15 (no jagged nested tensors before 2.2: "not needed")',
     caveats="the counter is bumped before the nested int is made (an id is spent if making it raises); two threads "
