@@ -32,9 +32,9 @@ A thread whose device differs from the one a graph was built with still fails th
 unchanged; the guard's code in the logs reads as torch's.
 
 What a thread reads as ``torch.utils._device.CURRENT_DEVICE`` from Python: None while no thread has a default device;
-while one does, the object above (it compares, prints and tests as true like the thread's own device, but is not a
-``torch.device``). Applied when Dynamo is imported: a default device set before then becomes the own of the thread
-that imports it.
+while one does, the object above (it compares, prints, tests as true and answers ``.type`` / ``.index`` like the
+thread's own device, but ``isinstance(..., torch.device)`` is False). Applied when Dynamo is imported: a default
+device set before then becomes the own of the thread that imports it.
 """
 
 from __future__ import annotations
@@ -87,6 +87,13 @@ class _Recorded:
 
     def __repr__(self) -> str:
         return repr(self._value())
+
+    def __getattr__(self, name: str) -> object:
+        # A reader of the global sees the thread's device's own attributes (``.type``, ``.index``); private and
+        # special names stay the object's, so copying it cannot recurse before its slots are set.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._value(), name)
 
 
 class _CurrentDevices:
@@ -422,7 +429,8 @@ FIX = Fix(
     releases_note="2.3 - 2.15; before 2.3 set_default_device itself is one setting for the process (its context a "
     'module global), so no thread has a value of its own: "not needed"; its guard is Python up to 2.3, C++ from 2.4',
     caveats="while some thread has a default device, torch.utils._device.CURRENT_DEVICE read from Python is an "
-    "object that compares and prints as the calling thread's own device (not a torch.device), and each compiled "
+    "object that compares, prints and answers .type/.index as the calling thread's own device (isinstance "
+    "torch.device is False), and each compiled "
     "call's default-device guard calls its __eq__ (+0.4 us a call, on a loaded CPU machine); a default device set "
     "before Dynamo is imported becomes the importing thread's own",
 )
