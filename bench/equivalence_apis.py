@@ -413,6 +413,38 @@ def numpy_conversion(seen: _Seen) -> None:
     seen["default_after"] = str(torch.get_default_dtype())
 
 
+def default_device(seen: _Seen) -> None:
+    """torch.set_default_device around a compiled function that makes a tensor (graph, guards, recompiles), and
+    what torch.utils._device.CURRENT_DEVICE reads inside and after."""
+    import torch.utils._device as device_module
+
+    codes: list[str] = []
+    compiled = torch.compile(lambda x: x + torch.ones(2), backend=_backend(codes))
+    with _compiles(seen):
+        torch.set_default_device("meta")
+        try:
+            out = compiled(torch.ones(2))
+            seen["inside"] = [str(out.device), repr(device_module.CURRENT_DEVICE), str(torch.get_default_device())]
+        finally:
+            torch.set_default_device(None)
+        seen.tensor("after", compiled(torch.ones(2)))
+    seen["codes"] = codes
+    seen["after_device"] = repr(device_module.CURRENT_DEVICE)
+
+
+def nested_ints(seen: _Seen) -> None:
+    """Jagged nested tensors: their nested ints, an op across two of one offsets, and torch's counter after."""
+    import torch.nested._internal.nested_tensor as nested
+
+    offsets = torch.tensor([0, 2, 5])
+    a = torch.nested.nested_tensor_from_jagged(torch.ones(5, 3), offsets)
+    b = torch.nested.nested_tensor_from_jagged(torch.full((5, 3), 2.0), offsets)
+    c = torch.nested.nested_tensor([torch.ones(1, 3), torch.ones(4, 3)], layout=torch.jagged)
+    seen["shapes"] = [str(t.shape) for t in (a, b, c)]
+    seen.tensor("sum", (a + b).values())
+    seen["counter"] = nested._tensor_id_counter
+
+
 def cuda_graphs(seen: _Seen) -> None:
     """CUDA only: torch.cuda.graph capture and replay, make_graphed_callables, a reduce-overhead training step."""
     x = torch.ones(8, device="cuda")
@@ -481,6 +513,8 @@ CASES = [
     Case(rnn_while_loop, ("export-rnn-while-loop",)),
     Case(parametrize_cached, ("parametrize-cached",)),
     Case(numpy_conversion, ("numpy-default-dtype",)),
+    Case(default_device, ("current-device",)),
+    Case(nested_ints, ("nested-int-ids",)),
     Case(
         cuda_graphs,
         ("cuda-graph-capture", "cudagraph-step-counters", "cudagraph-thread-trees", "cudagraph-tree-callable")
