@@ -45,8 +45,10 @@ def probe(cache, **env) -> dict:
     return run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache), **env}, forked="triggers").json()
 
 
-def entries(cache) -> list:
-    return sorted(p for p in cache.iterdir() if p.is_file())
+def entries(cache, kind: str = "") -> list:
+    """The cache's entries (of ``kind`` only, where given: LOOKUP's are "test"; ``import torchfix`` stores its roster
+    of fixes, "fixes", besides)."""
+    return sorted(p for p in cache.iterdir() if p.is_file() and p.name.startswith(f"{kind}-" if kind else ""))
 
 
 # How the cache keys, writes and guards its entries is the same on every torch; what it stores is not (the
@@ -155,7 +157,7 @@ def planted(tmp_path) -> tuple[str, bytes]:
     (or ships one) leaves there."""
     made = tmp_path / "made"
     assert lookup({"TORCHFIX_CACHE_DIR": str(made)}).json() == "computed"
-    (entry,) = entries(made)
+    (entry,) = entries(made, "test")
     key, _ = marshal.loads(entry.read_bytes())
     return entry.name, marshal.dumps((key, "planted"))
 
@@ -248,7 +250,7 @@ def test_a_folder_in_a_sticky_or_own_group_folder_is_used(tmp_path, mode):
     (tmp_path / "parent").chmod(mode)
     ran = lookup({"TORCHFIX_CACHE_DIR": str(tmp_path / "parent" / "cache")})
     assert ran.json() == "computed" and "TorchfixWarning" not in ran.stderr, ran.stderr
-    assert len(entries(tmp_path / "parent" / "cache")) == 1
+    assert len(entries(tmp_path / "parent" / "cache", "test")) == 1
 
 
 @release_independent
@@ -259,7 +261,7 @@ def test_a_folder_swapped_after_the_check_is_not_read(tmp_path):
     swap = f"_cache._directory()\nos.rename({str(cache)!r}, 'old')\nos.rename({str(clone)!r}, {str(cache)!r})"
     ran = lookup({"TORCHFIX_CACHE_DIR": str(cache)}, cwd=tmp_path, before=swap)
     assert ran.json() == "computed", ran.stderr
-    assert [p.name for p in entries(tmp_path / "old")] == [name]  # stored where the check looked
+    assert [p.name for p in entries(tmp_path / "old", "test")] == [name]  # stored where the check looked
 
 
 @release_independent
@@ -274,7 +276,7 @@ def test_a_relative_cache_path_is_ignored(tmp_path, variable):
         env.update(TORCHFIX_CACHE_DIR=".cache/torchfix", XDG_CACHE_HOME=str(xdg))
     refused(lookup(env, cwd=repo), f"{variable}='.cache")
     used = xdg / "torchfix" if variable == "TORCHFIX_CACHE_DIR" else home / ".cache" / "torchfix"
-    assert [p.name for p in entries(used)] == [name]
+    assert [p.name for p in entries(used, "test")] == [name]
 
 
 @release_independent
@@ -294,7 +296,7 @@ def test_the_cache_switch_takes_its_documented_values(tmp_path, value):
         assert ran.json() == "computed" and not (tmp_path / "cache").exists()
     else:  # not a documented value: the default (on), and one warning
         refused(ran, "TORCHFIX_CACHE='/tmp/x' is not")
-        assert len(entries(tmp_path / "cache")) == 1
+        assert len(entries(tmp_path / "cache", "test")) == 1
 
 
 @pytest.fixture(scope="module")
@@ -336,3 +338,14 @@ def test_an_entry_that_does_not_apply_is_rebuilt(cold_cache, tmp_path):
     assert ran.json() == cold_cache[1] and "not applied" not in ran.stderr, ran.stderr
     for path in cache.glob("edits-*.bin"):  # replaced: the next start reads good ones
         assert all(row[0] < 10**6 for row in marshal.loads(path.read_bytes())[1])
+
+
+@release_independent
+def test_a_roster_of_fixes_that_misses_one_is_rebuilt(cold_cache, tmp_path):
+    # The roster (each fix's module, name, order, trigger) says which fixes `import torchfix` installs: one that
+    # lacks a fix, under the right key, must not leave it out.
+    cache = rewritten(cold_cache, tmp_path, "fixes", lambda key, rows: rows[1:])
+    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)})
+    assert ran.json() == cold_cache[1], ran.stderr
+    for path in cache.glob("fixes-*.bin"):  # replaced
+        assert len(marshal.loads(path.read_bytes())[1]) == len(cold_cache[1]["status"])

@@ -159,6 +159,25 @@ print(json.dumps({"states": [states["compiler-flags"], states["trace-patch-isola
     }
 
 
+def test_a_waiting_fix_module_loads_with_its_trigger():
+    # `import torchfix` imports only the fix modules it applies; one that waits for Dynamo loads with Dynamo's module,
+    # which keeps its own loader (the post-import hook's wrapper is not left on it).
+    ran = run_ok(
+        """
+import json, sys
+import torch, torchfix
+waiting = [e for e in torchfix.fixes.ROSTER if e.trigger not in sys.modules]
+seen = {"loaded_early": [e.module for e in waiting if e.module in sys.modules]}
+import torch._dynamo.eval_frame as ef
+seen["loaded_with_it"] = [e.module in sys.modules for e in waiting if e.trigger == ef.__name__]
+seen["loader"] = [type(ef.__loader__).__name__, ef.__spec__.loader is ef.__loader__]
+print(json.dumps(seen))
+"""
+    ).json()
+    assert ran["loaded_early"] == [] and all(ran["loaded_with_it"]), ran
+    assert ran["loader"] == ["SourceFileLoader", True], ran
+
+
 # compile-cache-recheck patches Dynamo, which `import torch` does not load: it waits for that import.
 RECHECK_LIFECYCLE = """
 import json, sys

@@ -78,8 +78,8 @@ class Scenario:
 
     @property
     def call(self) -> str:
-        """The call as source, for a fresh interpreter that has imported torchfix (which imports every fix
-        module): ``torchfix.fixes.fx_tracing_flag.h1_nested_trace_error('make_fx')``."""
+        """The call as source, for a fresh interpreter that has imported torchfix (``torchfix.fixes`` imports a fix
+        module on first use): ``torchfix.fixes.fx_tracing_flag.h1_nested_trace_error('make_fx')``."""
         return f"{self.function.__module__}.{self.name}"
 
 
@@ -140,6 +140,8 @@ class State(str, enum.Enum):
 
 @dataclass(frozen=True)
 class FixStatus:
+    """What became of one fix in this process (``status()``), and why."""
+
     name: str
     state: State
     reason: str
@@ -167,8 +169,8 @@ class Fix:
     # another applied first (edits of one file compose in any order), so this is only its place in the list:
     # tens, leaving room for a new fix to go between two.
     order: int
-    # The module whose import applies the fix: torch, or a part of torch that `import torch` does not load
-    # (importing it early would slow every program down).
+    # The module whose import applies the fix (and imports the fix's module): torch, or a part of torch that
+    # `import torch` does not load (importing it early would slow every program down).
     trigger: str = "torch"
     # A hazard that costs time but breaks nothing: where the fix cannot apply, status() says so, without a
     # warning (or, in strict mode, an error) in every program that compiles.

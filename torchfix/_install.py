@@ -1,9 +1,10 @@
 """install / uninstall / status: the lifecycle of all fixes in this process.
 
-If torch is imported already, fixes apply at once. If not, a post-import hook (wrapt) applies them the
+If torch is imported already, fixes apply at once. If not, a post-import hook (``patching.imports``) applies them the
 moment ``import torch`` finishes, so the import order never matters: either way the same patches run
 on a fully imported torch, and the ``__code__`` swap reaches references taken before. A fix whose
-trigger is a part of torch that ``import torch`` does not load (Dynamo) waits for that import the same way.
+trigger is a part of torch that ``import torch`` does not load (Dynamo) waits for that import the same way,
+and its module is imported only then (``fixes.ROSTER`` says what waits for what without importing them).
 """
 
 from __future__ import annotations
@@ -14,18 +15,17 @@ import threading
 import warnings
 from collections.abc import Callable
 
-import wrapt
-
 from . import fixes
 from ._errors import TorchfixError, TorchfixWarning
 from ._fix import Fix, FixStatus, Patch, State, revert_all
+from .patching.imports import when_imported
 
 _lock = threading.RLock()
 _statuses: dict[str, FixStatus] = {}
 _applied: list[tuple[Fix, list[Patch]]] = []
 _installed = False
 # Bumped by uninstall: a hook registered by an earlier install() that fires later finds itself stale
-# and does nothing (wrapt has no way to unregister a hook).
+# and does nothing.
 _generation = 0
 
 
@@ -42,7 +42,7 @@ def _complain(message: str) -> None:
 def disabled_fixes() -> set[str]:
     """Names of the fixes TORCHFIX_DISABLE turns off: ``1`` (or ``all``) for all, else ``name,name``."""
     value = os.environ.get("TORCHFIX_DISABLE", "").strip()
-    known = {fix.name for fix in fixes.ALL}
+    known = {entry.name for entry in fixes.ROSTER}
     if value.lower() in {"", "0", "false", "no"}:
         return set()
     if value.lower() in {"1", "true", "yes", "all"}:
@@ -68,24 +68,24 @@ def install() -> list[FixStatus]:
             return status()
         _installed = True
         off = disabled_fixes()
-        for fix in fixes.ALL:
-            if fix.name in off:
-                _set(FixStatus(fix.name, State.DISABLED, "TORCHFIX_DISABLE"))
-        waiting: dict[str, list[Fix]] = {}
-        for fix in fixes.ALL:
-            if fix.name not in off:
-                waiting.setdefault(fix.trigger, []).append(fix)
+        for entry in fixes.ROSTER:
+            if entry.name in off:
+                _set(FixStatus(entry.name, State.DISABLED, "TORCHFIX_DISABLE"))
+        waiting: dict[str, list[fixes.Entry]] = {}
+        for entry in fixes.ROSTER:
+            if entry.name not in off:
+                waiting.setdefault(entry.trigger, []).append(entry)
         if "torch" in sys.modules:
             _arm(waiting)
         else:
             for group in waiting.values():
-                for fix in group:
-                    _set(FixStatus(fix.name, State.PENDING, f"applied when {fix.trigger} is imported"))
+                for entry in group:
+                    _set(FixStatus(entry.name, State.PENDING, f"applied when {entry.trigger} is imported"))
             _when_imported("torch", lambda: _arm(waiting))
         return status()
 
 
-def _arm(waiting: dict[str, list[Fix]]) -> None:
+def _arm(waiting: dict[str, list[fixes.Entry]]) -> None:
     """With torch imported: apply the fixes whose trigger module is loaded, and wait for the others'.
 
     A trigger module this torch does not have (CUDA graph trees before 2.1) makes its fixes "not needed":
@@ -94,11 +94,11 @@ def _arm(waiting: dict[str, list[Fix]]) -> None:
         if trigger in sys.modules:
             _apply(group)
         elif not module_file_exists(trigger):
-            for fix in group:
-                _set(FixStatus(fix.name, State.NOT_NEEDED, f"this torch has no {trigger}"))
+            for entry in group:
+                _set(FixStatus(entry.name, State.NOT_NEEDED, f"this torch has no {trigger}"))
         else:
-            for fix in group:
-                _set(FixStatus(fix.name, State.PENDING, f"applied when {trigger} is imported"))
+            for entry in group:
+                _set(FixStatus(entry.name, State.PENDING, f"applied when {trigger} is imported"))
             _when_imported(trigger, lambda group=group: _apply(group))
 
 
@@ -119,14 +119,15 @@ def _when_imported(module: str, action: Callable[[], None]) -> None:
             if generation == _generation and _installed:  # else uninstalled since (maybe reinstalled)
                 action()
 
-    wrapt.register_post_import_hook(on_import, module)
+    when_imported(module, on_import)
 
 
-def _apply(active: list[Fix]) -> None:
+def _apply(active: list[fixes.Entry]) -> None:
     import torch
 
     version = str(torch.__version__)
-    for fix in active:
+    for entry in active:
+        fix = fixes.fix_of(entry.module)
         fix_status, patches = fix.apply(version)
         _set(fix_status)
         if patches:
@@ -144,8 +145,8 @@ def uninstall() -> list[FixStatus]:
         while _applied:
             _fix, patches = _applied.pop()
             revert_all(patches)
-        for fix in fixes.ALL:
-            _set(FixStatus(fix.name, State.NOT_INSTALLED, "uninstall() was called"))
+        for entry in fixes.ROSTER:
+            _set(FixStatus(entry.name, State.NOT_INSTALLED, "uninstall() was called"))
         return status()
 
 
@@ -153,6 +154,6 @@ def status() -> list[FixStatus]:
     """One entry per known fix, in application order."""
     with _lock:
         return [
-            _statuses.get(fix.name, FixStatus(fix.name, State.NOT_INSTALLED, "install() was not called"))
-            for fix in fixes.ALL
+            _statuses.get(entry.name, FixStatus(entry.name, State.NOT_INSTALLED, "install() was not called"))
+            for entry in fixes.ROSTER
         ]

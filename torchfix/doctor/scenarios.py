@@ -26,6 +26,8 @@ NESTED_TRACE_ERROR = "Detected that you are using FX to symbolically trace a dyn
 
 @dataclass(frozen=True)
 class Result:
+    """What one run of a scenario saw: whether the hazard showed, and the detail."""
+
     scenario: str
     hazard: bool
     detail: str

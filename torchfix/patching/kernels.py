@@ -39,6 +39,8 @@ class _Uncached(dict):
 
 @dataclass
 class _Own:
+    """A thread's own py_kernels of one op, while it overrides them."""
+
     table: dict  # the thread's copy of the op's py_kernels, which torch's code edits
     depth: int = 0  # the thread's overrides of the op under way (they nest: torch 2.5 - 2.7 enter two at once)
 

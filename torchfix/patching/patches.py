@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 from .._fix import Fix, Scenario, SoakCheck, releases
-from .cache import cached, digest
+from .cache import cached, text_digest
 from .source import (
     Edit,
     PatchedFile,
@@ -45,8 +45,7 @@ def read_source(module: types.ModuleType) -> str:
     path = getattr(module, "__file__", None) or ""
     if not path.endswith(".py") or not os.path.exists(path):
         raise ShapeError(f"{module.__name__}: no Python source to patch (module file: {path or 'none'})")
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    return _read_text(path)
 
 
 def source_without_import(name: str) -> str | None:
@@ -57,8 +56,22 @@ def source_without_import(name: str) -> str | None:
         return None
     if spec is None or not (spec.origin or "").endswith(".py"):
         return None
-    with open(spec.origin, encoding="utf-8") as f:
-        return f.read()
+    return _read_text(spec.origin)
+
+
+_texts: dict[str, tuple[tuple[int, int], str]] = {}  # path -> ((size, modification time), its text)
+
+
+def _read_text(path: str) -> str:
+    """The file's text, read again only where its size or modification time changed: the patches of one file read
+    it several times, and one string for it lets ``cache.text_digest`` hash it once."""
+    info = os.stat(path)
+    stamp = (info.st_size, info.st_mtime_ns)
+    kept = _texts.get(path)
+    if kept is None or kept[0] != stamp:
+        with open(path, encoding="utf-8") as f:
+            kept = _texts[path] = (stamp, f.read())
+    return kept[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +135,7 @@ class SourcePatch:
         if " at 0x" in settings:
             return self.edits(source)
         identity = f"{type(self).__module__}.{type(self).__qualname__}{settings}"
-        rows = cached("edits", (identity, digest(source)), lambda: [e.row() for e in self.edits(source)])
+        rows = cached("edits", (identity, text_digest(source)), lambda: [e.row() for e in self.edits(source)])
         return [Edit(*row) for row in rows]
 
     def apply(self) -> None:
@@ -206,25 +219,48 @@ class _Default:
     value: object = None  # the literal's value
     kind: str = "object"  # "flag", "object" or "own"
 
-    @property
-    def truthy(self) -> bool:
-        """Whether the shared value is true: a flag's is known from the text, an object must be (checked at install)."""
-        return self.kind != "flag" or bool(self.value)
-
     def fast_read(self, name: str, value: str, attribute: bool = False) -> str:
         """The read of the moved global ``name`` whose per-thread value is the expression ``value`` (``attribute``:
         a read whose attribute is read next, ``_stance.stance``).
 
-        ``<name>_shared`` holds the shared value while no thread holds one of its own, and a value of the other
-        truth while some does (:func:`per_thread_class` switches it): the read is the global's load and one jump
-        (on Python 3.11; 3.12 adds a COPY), and no call, where every thread reads the shared value. For an object,
-        that other value is an :class:`_OwnValues`, which serves attribute reads from the thread's own object: an
-        attribute read of it is the global's load alone."""
+        ``<name>_shared`` (:func:`per_thread_class` switches it) serves every thread the shared value while no
+        thread holds one of its own, with no call, and sends the read to the holder while some does:
+
+        * a flag's holds a :class:`_SharedFlag` or an :class:`_OwnFlag`, and the read is ``<name>_shared.value``:
+          the global's load and one attribute read, on Python 3.11 and 3.12 alike (a test and a jump, ``(<name>_shared
+          and <value>)``, took one more instruction on 3.12, whose ``and`` copies the value it tests);
+        * an object's holds the object, or an :class:`_OwnValues` (false, and serving attribute reads from the
+          thread's own object): an attribute read of it is the global's load alone, any other read
+          ``(<name>_shared or <value>)``."""
         if self.kind == "own":
             return value
-        if attribute and self.kind == "object":
-            return f"{name}_shared"
-        return f"({name}_shared {'or' if self.truthy else 'and'} {value})"
+        if self.kind == "flag":
+            return f"{name}_shared.value"
+        return f"{name}_shared" if attribute else f"({name}_shared or {value})"
+
+
+class _SharedFlag:
+    """What ``<name>_shared`` of a flag holds while no thread holds a value of its own: the value every thread
+    reads, as ``.value``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+
+class _OwnFlag:
+    """What ``<name>_shared`` of a flag holds while some thread holds a value of its own: ``.value`` is the calling
+    thread's."""
+
+    __slots__ = ("_holder", "_attr")
+
+    def __init__(self, holder: object, attr: str) -> None:
+        self._holder, self._attr = holder, attr
+
+    @property
+    def value(self) -> object:
+        return getattr(self._holder, self._attr)
 
 
 class _OwnValues:
@@ -249,7 +285,7 @@ def _module_level_defaults(source: str, names: set[str]) -> dict[str, _Default]:
     Kept between processes (``cache``) as where those assignments are in the file (offsets: data, never code),
     so a warm start parses those lines alone, of torch's own file, as a cold one does. An entry that points at
     anything but whole lines, or whose lines do not assign the names, raises (and is rebuilt)."""
-    spans = cached("defaults", (digest(source), repr(sorted(names))), lambda: _assignment_spans(source, names))
+    spans = cached("defaults", (text_digest(source), repr(sorted(names))), lambda: _assignment_spans(source, names))
     return _parse_defaults("".join(_whole_lines(source, start, end) for start, end in spans), names)
 
 
@@ -644,17 +680,14 @@ class ThreadLocalGlobals(SourcePatch):
 
         def switch(some_own: bool) -> None:  # the fast reads' globals: the shared values, or "go to the holder"
             if namespace.get(self.holder) is holder:  # not after the revert
-                namespace.update({f"{name}_shared": (own if some_own else shared)[moved[name]] for name in fast})
+                namespace.update({f"{name}_shared": (own if some_own else reads)[name] for name in fast})
 
         holder = per_thread_class(
             self.holder, shared, factories, seen_in_backward=self.seen_in_backward, on_change=switch
         )()
-        own = {
-            moved[name]: _OwnValues(holder, moved[name])
-            if defaults[name].kind == "object"
-            else not defaults[name].truthy
-            for name in fast
-        }
+        flags = {name for name in fast if defaults[name].kind == "flag"}
+        reads = {name: _SharedFlag(shared[moved[name]]) if name in flags else shared[moved[name]] for name in fast}
+        own = {name: (_OwnFlag if name in flags else _OwnValues)(holder, moved[name]) for name in fast}
         namespace[self.holder] = holder
         switch(False)
         for name, attr in moved.items():

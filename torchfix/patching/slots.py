@@ -33,8 +33,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator
 
-import wrapt
-
+from .imports import when_imported
 from .patches import SourcePatch, source_without_import
 from .source import Edit, ShapeError, definitions, find_replaced, parse, replace_node, segment
 from .stash import ThreadSpaces
@@ -180,15 +179,15 @@ _skip_hook_registered = False  # one post-import hook per process, however often
 
 def skip_in_dynamo_when_imported() -> None:
     """Skip the dispatcher in Dynamo now, or when Dynamo is imported. A skipped code object stays skipped
-    after uninstall, which is harmless (nothing runs it then); wrapt cannot remove a hook, so it is
-    registered once rather than once per install."""
+    after uninstall, which is harmless (nothing runs it then); the hook is registered once rather than once per
+    install."""
     global _skip_hook_registered
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is not None:
         _skip_in_dynamo(eval_frame)
     elif not _skip_hook_registered:
         _skip_hook_registered = True
-        wrapt.register_post_import_hook(_skip_in_dynamo, "torch._dynamo.eval_frame")
+        when_imported("torch._dynamo.eval_frame", _skip_in_dynamo)
 
 
 class SlotPatches(SourcePatch):

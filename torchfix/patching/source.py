@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .cache import cached, digest
+from .cache import cached, digest, text_digest
 
 
 class ShapeError(Exception):
@@ -361,7 +361,7 @@ class PatchedFile:
         edits = [edit for layer in layers.values() for edit in layer]
         # Parsing and compiling a torch file is most of an import's cost: kept between processes (_cache),
         # keyed by the file's path (compiled into the code) and text, and by the edits.
-        key = (filename, digest(self.source), digest(repr(sorted(e.row() for e in edits))))
+        key = (filename, text_digest(self.source), digest(repr(sorted(e.row() for e in edits))))
         new_codes, nested, outermost = cached("compiled", key, lambda: self._compile(edits))
 
         target: dict[types.FunctionType, types.CodeType] = {}

@@ -39,6 +39,8 @@ class Switch:
 
 @dataclass(eq=False)
 class _Entry:
+    """One override of a switch under way, in the order they were entered."""
+
     value: object  # what the entry set
     found: object  # what it writes back at its exit (passed on to it by an older entry that left first)
     thread: int
