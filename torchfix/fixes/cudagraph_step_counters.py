@@ -79,10 +79,13 @@ THREAD_STEPS = per_thread_class("ThreadSteps", {"steps": UNCOUNTED}, {}, seen_in
 def steps_of_this_work() -> Steps:
     """The counters of the thread whose work runs now: the calling thread's, or on autograd's device
     thread those of the thread whose backward it runs (the C++ stash is inherited from that thread). The trees
-    call it several times per replay: modules from ``sys.modules`` (both are imported by then), no import."""
+    call it several times per replay: one C call on that path (a thread's first call pays for a C++ exception
+    instead), modules from ``sys.modules`` (both are imported by then), no import."""
     c = sys.modules["torch"]._C
-    if c._is_key_in_tls(KEY):
+    try:
         return c._get_obj_in_tls(KEY)
+    except RuntimeError:  # not in this thread's stash yet
+        pass
     if c._is_key_in_tls("tree_manager_containers") and not hasattr(sys.modules[TREES].local, "tree_manager_containers"):
         return UNCOUNTED  # a device thread, for a thread whose trees predate torchfix: nothing to share
     # A thread's trees start at the process's generation, as without torchfix, and move with its own calls;
@@ -93,21 +96,24 @@ def steps_of_this_work() -> Steps:
     return steps
 
 
-def _written_elsewhere(counter: str, owner: object) -> int:
-    """What code other than torch's own changed the class attribute ``owner.counter`` by."""
-    return getattr(owner, counter) - getattr(BY_TORCH, counter) if COUNTS_ARE_EXACT else 0
+# The two readers below add what code other than torch's own changed the class attribute by (the attribute less
+# BY_TORCH's count), written out in each: the trees read them several times per replay.
 
 
 def mark_step_counter_of_this_work() -> int:
     """``MarkStepBox.mark_step_counter`` as the trees of the thread whose work runs now see it."""
-    box = sys.modules[TREES].MarkStepBox
-    return steps_of_this_work().mark_step_counter + _written_elsewhere("mark_step_counter", box)
+    own = steps_of_this_work().mark_step_counter
+    if not COUNTS_ARE_EXACT:
+        return own
+    return own + sys.modules[TREES].MarkStepBox.mark_step_counter - BY_TORCH.mark_step_counter
 
 
 def generation_of_this_work() -> int:
     """``GenerationTracker.generation`` as the trees of the thread whose work runs now see it."""
-    tracker = sys.modules[GUARD].GenerationTracker
-    return steps_of_this_work().generation + _written_elsewhere("generation", tracker)
+    own = steps_of_this_work().generation
+    if not COUNTS_ARE_EXACT:
+        return own
+    return own + sys.modules[GUARD].GenerationTracker.generation - BY_TORCH.generation
 
 
 def _target(write: ast.AugAssign | ast.Assign) -> ast.expr:
