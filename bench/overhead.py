@@ -1,7 +1,8 @@
 """What torchfix costs: compiled-call rate and flag-read time with and without it, measured side by
 side in one process (alternating blocks, torchfix uninstalled and reinstalled between them), the
 time ``import torchfix`` adds (fresh interpreters), and on CUDA the replay rate of a ``reduce-overhead``
-compiled module (two worker processes, one with torchfix and one that never imports it, taking turns).
+compiled module (three worker processes taking turns: one with torchfix and two that never import it, whose ratio
+is the row's noise floor) and its Python and C calls per step, counted.
 
 Goal: every rate with torchfix / without >= 0.995; ``import torchfix`` after torch <= 50 ms.
 """
@@ -123,7 +124,16 @@ def step():
 for _ in range(20):  # compile, warm up, record the forward and backward graphs, replay
     step()
 torch.cuda.synchronize()
-print("ready", flush=True)
+calls = 0
+def count(frame, event, arg):
+    global calls
+    calls += event in ("call", "c_call")
+sys.setprofile(count)
+for _ in range(20):
+    step()
+sys.setprofile(None)
+torch.cuda.synchronize()
+print("ready", calls / 20, flush=True)  # Python and C function calls per step: counted, whatever the load
 for line in sys.stdin:
     steps = int(line)
     torch.cuda.synchronize()
@@ -156,9 +166,12 @@ def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
         for label, installed in imports_torchfix.items()
     }
     try:
+        calls_per_step = {}
         for label, proc in workers.items():
-            if proc.stdout.readline().strip() != "ready":
+            ready, _, calls = proc.stdout.readline().strip().partition(" ")
+            if ready != "ready":
                 return {"failed": f"the worker {label} torchfix did not start"}
+            calls_per_step[label] = float(calls)
 
         def rate(label: str) -> float:
             proc = workers[label]
@@ -185,6 +198,8 @@ def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
         "control_ratio": statistics.median(control),
         "control_ratio_q1": control_quartiles[0],
         "control_ratio_q3": control_quartiles[2],
+        "calls_per_step_with_torchfix": calls_per_step["with"],
+        "calls_per_step_without_torchfix": calls_per_step["without"],
         "rounds": rounds,
         "steps_per_block": steps,
     }
@@ -268,6 +283,12 @@ def table(result: dict) -> str:
                 f"; two processes without torchfix: {r['control_ratio']:.4f} "
                 f"({r['control_ratio_q1']:.3f} - {r['control_ratio_q3']:.3f})"
                 if "control_ratio" in r
+                else ""
+            )
+            + (
+                f"; calls a step {r['calls_per_step_with_torchfix']:.0f} with, "
+                f"{r['calls_per_step_without_torchfix']:.0f} without"
+                if "calls_per_step_with_torchfix" in r
                 else ""
             )
         )
