@@ -16,6 +16,12 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+# OpenMP's passive wait for every process of the suite, as the trainer sets for itself: with a pytest worker per
+# core, the OpenMP threads of one worker's torch spinning between ops took the cores from the other's (a tiny
+# in-process training used 3-10x the CPU seconds). This process's too (some tests train in it): read by libgomp
+# when torch is imported, after this file. Scheduling only: no result depends on it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 @dataclass
 class Ran:

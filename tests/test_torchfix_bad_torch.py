@@ -15,6 +15,10 @@ from dataclasses import dataclass
 import pytest
 from conftest import FIXES, HAS_H1, TORCH_VERSION, run_ok, run_python
 
+# One pytest-xdist worker runs this file: its interpreters that check every fix at once (the plan, the unknown
+# versions, the broken files) run once, not once per worker.
+pytestmark = pytest.mark.xdist_group("bad-torch")
+
 PRELUDE = """
 import importlib, importlib.machinery, importlib.util, inspect, json, os, pathlib, py_compile, sys, tempfile, types
 import warnings
