@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 from .._fix import Fix, Scenario, releases
 from ..doctor.scenarios import Result, fresh, torch_module
-from ..patching.patches import SourcePatch, accesses_left, per_thread_class, source_without_import
+from ..patching.patches import SourcePatch, WhereUsed, per_thread_class, refuse_accesses_left
 from ..patching.source import Edit, ShapeError, definition, find_replaced, parse, replace_node, segment
 
 MODULE, RELPATH = "torch.utils._device", "torch/utils/_device.py"
@@ -205,17 +205,13 @@ class _OwnDevice(SourcePatch):
 
     def verify(self) -> None:
         super().verify()
-        left = accesses_left(self._module, {"LOAD_GLOBAL", "STORE_GLOBAL"}, {NAME})
-        if left:
-            raise ShapeError(f"{MODULE}: global access left after patching: {', '.join(left)}")
+        refuse_accesses_left(self._module, {"LOAD_GLOBAL", "STORE_GLOBAL"}, {NAME})
 
 
-class _OwnDeviceReads(SourcePatch):
+class _OwnDeviceReads(WhereUsed):
     """A Dynamo module's reads of ``<module>.CURRENT_DEVICE`` become ``<module>.HELPER.own()`` (in an f-string
     too), and its building of the C++ guard (``.add_default_device_guard(...)``) goes through
     ``HELPER.capturing``. A release whose module does neither has nothing to patch there."""
-
-    may_be_absent = True
 
     def describe(self) -> str:
         return f"{self.relpath} (where it reads {NAME} or builds its guard): the calling thread's own"
@@ -242,19 +238,8 @@ class _OwnDeviceReads(SourcePatch):
                 )
         return edits
 
-    def apply(self) -> None:
-        source = source_without_import(self.module_name)
-        edits = self.cached_edits(source) if source is not None else []
-        if edits:
-            self._apply(importlib.import_module(self.module_name), source, edits)
-
-    def verify(self) -> None:
-        if self._module is None:
-            return  # nothing to patch in this release
-        super().verify()
-        left = accesses_left(self._module, {"LOAD_ATTR"}, {NAME})
-        if left:
-            raise ShapeError(f"{self.module_name}: a read of {NAME} left after patching: {', '.join(left)}")
+    def accesses(self) -> tuple[set[str], set[str], str]:
+        return {"LOAD_ATTR"}, {NAME}, ""
 
 
 def _reads_global(node: ast.AST) -> bool:

@@ -35,8 +35,8 @@ from ..patching.patches import (
     PerThreadName,
     SourcePatch,
     ThreadLocalGlobals,
-    accesses_left,
     moved_global_probe,
+    refuse_accesses_left,
 )
 from ..patching.source import Edit, ShapeError, definition, find_replaced, parse, replace_node
 from ..patching.switches import Override, Switch, own_value
@@ -153,9 +153,7 @@ class _WrappingPerThread(SourcePatch):
 
     def verify(self) -> None:
         super().verify()
-        left = accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, {"_enabled"})
-        if left:
-            raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
+        refuse_accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, {"_enabled"})
 
 
 def _is_flag(node: ast.AST) -> bool:

@@ -524,10 +524,11 @@ def moved_globals_fix(
     )
 
 
-def accesses_left(module: types.ModuleType, opnames: set[str], names: set[str], holder: str = "") -> list[str]:
-    """The instructions of ``opnames`` on ``names`` still in the module's live functions, as
-    "function: OPNAME name": what a patch that rewrote every such access must not find. An attribute read right
-    off ``holder`` (``target.HOLDER.NAME``, where a holder's attribute keeps the global's name) is a rewritten one."""
+def refuse_accesses_left(module: types.ModuleType, opnames: set[str], names: set[str], holder: str = "") -> None:
+    """Raise :class:`ShapeError` naming the instructions of ``opnames`` on ``names`` still in the module's live
+    functions ("function: OPNAME name"): what a patch that rewrote every such access must not find. An attribute
+    read right off ``holder`` (``target.HOLDER.NAME``, where a holder's attribute keeps the global's name) is a
+    rewritten one."""
     left = []
     for func in live_functions(module):
         for code in iter_code(func.__code__):
@@ -539,7 +540,8 @@ def accesses_left(module: types.ModuleType, opnames: set[str], names: set[str], 
                 if ins.opname in opnames and ins.argval in names and not (holder and rewritten):
                     left.append(f"{getattr(code, 'co_qualname', code.co_name)}: {ins.opname} {ins.argval}")
                 previous = ins
-    return left
+    if left:
+        raise ShapeError(f"{module.__name__}: access left after patching: {', '.join(left)}")
 
 
 class ThreadLocalGlobals(SourcePatch):
@@ -713,9 +715,7 @@ class ThreadLocalGlobals(SourcePatch):
             return
         super().verify()
         module = self._module
-        left = accesses_left(module, _GLOBAL_OPS, set(self._moved))
-        if left:
-            raise ShapeError(f"{module.__name__}: global access left after patching: {', '.join(left)}")
+        refuse_accesses_left(module, _GLOBAL_OPS, set(self._moved))
         if any(name in vars(module) for name in self._moved):
             raise ShapeError(f"{module.__name__}: a global came back into the module dict")
         self._verify_per_thread(module)
@@ -812,16 +812,38 @@ class _MovedGlobals:
         return __getattr__
 
 
-class AttributeUses(SourcePatch):
+class WhereUsed(SourcePatch):
+    """A patch of a module that may not use what it edits: a release that lacks the module, or whose module does not
+    use the names, gets no edits. The module is imported only where it needs edits (some are costly:
+    ``torch.export._trace``, 1.5 s), and once patched, none of :meth:`accesses` may be left in it."""
+
+    may_be_absent = True
+
+    def accesses(self) -> tuple[set[str], set[str], str]:
+        """The opnames and names no code of the patched module may use any more, and the holder a rewritten
+        attribute read comes off (see :func:`refuse_accesses_left`)."""
+        raise NotImplementedError
+
+    def apply(self) -> None:
+        source = source_without_import(self.module_name)
+        edits = self.cached_edits(source) if source is not None else []
+        if edits:
+            self._apply(importlib.import_module(self.module_name), source, edits)
+
+    def verify(self) -> None:
+        if self._module is None:
+            return  # nothing to patch in this release
+        super().verify()
+        refuse_accesses_left(self._module, *self.accesses())
+
+
+class AttributeUses(WhereUsed):
     """Another module's ``target.NAME`` reads and writes, rewritten to ``target.HOLDER.ATTR``.
 
     The companion of :class:`ThreadLocalGlobals` for the modules that write the moved names by module
     attribute (``torch.fx._symbolic_trace._is_fx_tracing_flag = False``): a module ``__getattr__`` can
-    serve reads, but nothing serves writes. Optional: releases that lack the module, or whose module
-    does not use the names, get no edits.
+    serve reads, but nothing serves writes.
     """
-
-    may_be_absent = True
 
     def __init__(self, module: str, relpath: str, target: str, holder: str, attrs: dict[str, str]) -> None:
         super().__init__(module, relpath)
@@ -840,20 +862,8 @@ class AttributeUses(SourcePatch):
                 edits.append(replace_node(node, f"{self.target}.{self.holder}.{self.attrs[node.attr]}"))
         return edits
 
-    def apply(self) -> None:
-        # Import the module only where it needs edits: some are costly (torch.export._trace: 1.5 s).
-        source = source_without_import(self.module_name)
-        edits = self.cached_edits(source) if source is not None else []
-        if edits:
-            self._apply(importlib.import_module(self.module_name), source, edits)
-
-    def verify(self) -> None:
-        if self._module is None:
-            return  # nothing to patch in this release
-        super().verify()
-        left = accesses_left(self._module, {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs), self.holder)
-        if left:
-            raise ShapeError(f"{self.module_name}: attribute access left after patching: {', '.join(left)}")
+    def accesses(self) -> tuple[set[str], set[str], str]:
+        return {"LOAD_ATTR", "STORE_ATTR"}, set(self.attrs), self.holder
 
 
 class ImportedNameUses(AttributeUses):
@@ -907,6 +917,4 @@ class ImportedNameUses(AttributeUses):
     def verify(self) -> None:
         super().verify()
         if self._module is not None:
-            left = accesses_left(self._module, _GLOBAL_OPS, set(self.attrs))
-            if left:
-                raise ShapeError(f"{self.module_name}: global access left after patching: {', '.join(left)}")
+            refuse_accesses_left(self._module, _GLOBAL_OPS, set(self.attrs))
