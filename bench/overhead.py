@@ -1,8 +1,8 @@
 """What torchfix costs: compiled-call rate and flag-read time with and without it, measured side by
-side in one process (alternating blocks, torchfix uninstalled and reinstalled between them), the
-time ``import torchfix`` adds (fresh interpreters), and on CUDA the replay rate of a ``reduce-overhead``
-compiled module (three worker processes taking turns: one with torchfix and two that never import it, whose ratio
-is the row's noise floor) and its Python and C calls per step, counted.
+side in one process (alternating blocks, torchfix uninstalled and reinstalled between them, and a control block
+without it), the time ``import torchfix`` adds (fresh interpreters), and on CUDA the replay rate of a
+``reduce-overhead`` compiled module (three worker processes taking turns: one with torchfix and two that never
+import it, whose ratio is the row's noise floor) and its Python and C calls per step, counted.
 
 Goal: every rate with torchfix / without >= 0.995; ``import torchfix`` after torch <= 50 ms.
 """
@@ -28,35 +28,38 @@ def _rate(fn: Callable[[], object], calls: int) -> float:
 
 
 def side_by_side(fn: Callable[[], object], calls: int, rounds: int) -> dict[str, float]:
-    """Calls per second with and without torchfix: many short blocks, the two in turn (ABBA order, so
-    neither always runs first), and the median over rounds of each round's ratio with its quartiles.
-    Short blocks keep a drift of the machine (clock, other load) from landing on one side only."""
+    """Calls per second with and without torchfix: many short blocks in turn (ABCCBA order, so none always runs
+    first), and the median over rounds of each round's ratio with its quartiles. Short blocks keep a drift of the
+    machine (clock, other load) from landing on one side only. A third block, uninstalled like the second, is the
+    control: its ratio to the second is what two identical blocks differ by here (the row's noise floor)."""
     import torchfix
 
-    with_fix, without_fix, ratios = [], [], []
+    installed = {"with": True, "without": False, "control": False}
+    rates: dict[str, list[float]] = {label: [] for label in installed}
     for round_no in range(rounds):
-        order = (True, False) if round_no % 2 == 0 else (False, True)
-        rates = {}
-        for installed in order:
-            torchfix.install() if installed else torchfix.uninstall()
+        for label in list(installed) if round_no % 2 == 0 else list(reversed(installed)):
+            torchfix.install() if installed[label] else torchfix.uninstall()
             fn()  # the first call after a swap runs new bytecode unspecialised
-            rates[installed] = _rate(fn, calls)
-        with_fix.append(rates[True])
-        without_fix.append(rates[False])
-        ratios.append(rates[True] / rates[False])
+            rates[label].append(_rate(fn, calls))
     torchfix.install()
-    return _ratios(with_fix, without_fix, ratios)
+    return _ratios(rates)
 
 
-def _ratios(with_fix: list[float], without_fix: list[float], ratios: list[float]) -> dict[str, float]:
-    """The rates' medians, and the median of the rounds' ratios with its quartiles."""
-    quartiles = statistics.quantiles(ratios, n=4)
+def _ratios(rates: dict[str, list[float]]) -> dict[str, float]:
+    """The rates' medians, the median of the rounds' ratios with its quartiles, and the same for the control."""
+    with_fix, without_fix, control = rates["with"], rates["without"], rates["control"]
+    ratios = [a / b for a, b in zip(with_fix, without_fix)]
+    controls = [c / b for c, b in zip(control, without_fix)]
+    quartiles, control_quartiles = statistics.quantiles(ratios, n=4), statistics.quantiles(controls, n=4)
     return {
         "with_torchfix_per_s": statistics.median(with_fix),
         "without_torchfix_per_s": statistics.median(without_fix),
         "ratio": statistics.median(ratios),
         "ratio_q1": quartiles[0],
         "ratio_q3": quartiles[2],
+        "control_ratio": statistics.median(controls),
+        "control_ratio_q1": control_quartiles[0],
+        "control_ratio_q3": control_quartiles[2],
     }
 
 
@@ -191,13 +194,8 @@ def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    control = [c / w for c, w in zip(rates["control"], rates["without"])]
-    control_quartiles = statistics.quantiles(control, n=4)
     return {
-        **_ratios(rates["with"], rates["without"], [a / b for a, b in zip(rates["with"], rates["without"])]),
-        "control_ratio": statistics.median(control),
-        "control_ratio_q1": control_quartiles[0],
-        "control_ratio_q3": control_quartiles[2],
+        **_ratios(rates),
         "calls_per_step_with_torchfix": calls_per_step["with"],
         "calls_per_step_without_torchfix": calls_per_step["without"],
         "rounds": rounds,
@@ -280,10 +278,8 @@ def table(result: dict) -> str:
             f"{key:<20} with {r['with_torchfix_per_s']:>12,.0f}/s  without {r['without_torchfix_per_s']:>12,.0f}/s"
             f"  ratio {r['ratio']:.4f} (quartiles {r['ratio_q1']:.3f} - {r['ratio_q3']:.3f})"
             + (
-                f"; two processes without torchfix: {r['control_ratio']:.4f} "
+                f"; control (without torchfix twice): {r['control_ratio']:.4f} "
                 f"({r['control_ratio_q1']:.3f} - {r['control_ratio_q3']:.3f})"
-                if "control_ratio" in r
-                else ""
             )
             + (
                 f"; calls a step {r['calls_per_step_with_torchfix']:.0f} with, "
