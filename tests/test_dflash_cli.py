@@ -344,3 +344,19 @@ def test_mistakes_are_one_line_and_exit_2_before_torch_is_imported(tmp_path):
         "dflash-train: error: the trainer needs the 'train' extra, which is not installed (no tqdm): "
         "pip install -e '.[train]' in a checkout of torchfix\n"
     )
+
+
+def test_the_trainer_leaves_with_its_status_after_the_at_exit_handlers_and_waits_for_a_running_thread():
+    # `python -m dflash_train` ends with leave(): no interpreter teardown, but what sys.exit would do before it.
+    code = """
+import atexit, sys, threading, time
+from dflash_train.__main__ import leave
+atexit.register(print, "at exit")
+if sys.argv[1] == "thread":
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread done"))).start()
+print("buffered", end=" ")
+leave(3)
+"""
+    for case, stdout in (("alone", "buffered at exit\n"), ("thread", "buffered thread done\nat exit\n")):
+        ran = subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True, timeout=60)
+        assert (ran.returncode, ran.stdout, ran.stderr) == (3, stdout, ""), case
