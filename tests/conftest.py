@@ -1,6 +1,6 @@
 """Shared test helpers. Everything that touches torch's global state runs in an interpreter of its own (a fresh
-one, or a child of the fork server that has imported torch only): a stuck flag, a deadlock or a half-patched
-torch must not leak into other tests."""
+one, or a child of a fork server that has imported torch, or torch and what the trainer imports, and never
+torchfix): a stuck flag, a deadlock or a half-patched torch must not leak into other tests."""
 
 from __future__ import annotations
 
