@@ -1,6 +1,6 @@
 """Shared test helpers. Everything that touches torch's global state runs in an interpreter of its own (a fresh
-one, or a child of the fork server that has imported torch only): a stuck flag, a deadlock or a half-patched
-torch must not leak into other tests."""
+one, or a child of a fork server that has imported torch, or torch and what the trainer imports, and never
+torchfix): a stuck flag, a deadlock or a half-patched torch must not leak into other tests."""
 
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ class _ForkServer:
         ready = json.loads(self.process.stdout.readline())
         assert ready["ready"] == 1, f"the fork server started with {ready['ready']} threads"
         self.env: dict[str, str] = ready["env"]
+        self.set_by_imports: dict[str, str] = ready["set_by_imports"]
 
     @classmethod
     def get(cls, preload: tuple[str, ...]) -> _ForkServer:
@@ -101,6 +102,27 @@ class _ForkServer:
         self.process.wait(60)
 
 
+def fork_python(
+    argv: list[str], *, preload: tuple[str, ...], env: dict[str, str], cwd: str | None = None, timeout: float = 180
+) -> Ran:
+    """``python *argv`` (``-c CODE``, ``-m MODULE`` or a script, then its arguments) in ``env`` exactly and ``cwd``
+    (this process's by default), as ``subprocess.run`` would run it, but in a child forked from an interpreter
+    that has imported torch and the ``preload`` modules (never torchfix, never the project's own modules): for
+    code that imports torchfix itself and does not test what happens before those are imported, nor the
+    interpreter's start or exit. Saves the imports' CPU seconds every run (torch ~2, Dynamo, Inductor and
+    export ~2-3 more, transformers and matplotlib ~1). The environment may differ from the server's only where
+    the imports do not read it: TORCHFIX_ and pytest's variables, PYTHONPATH (the child puts it on sys.path),
+    and what the imports set for themselves."""
+    server = _ForkServer.get(preload)
+    differs = {k for k in {*env, *server.env} if env.get(k) != server.env.get(k)} - set(server.set_by_imports)
+    may_differ = ("TORCHFIX_", "PYTEST_", "PYTHONPATH")
+    assert all(k.startswith(may_differ) for k in differs), f"a forked child cannot have {sorted(differs)} set"
+    reply = server.request(argv=list(argv), env=env, cwd=cwd or os.getcwd(), timeout=timeout)
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(["<forked>", *argv], timeout, reply["stdout"], reply["stderr"])
+    return Ran(reply["returncode"], reply["stdout"], reply["stderr"])
+
+
 def run_forked(
     code: str,
     *,
@@ -110,18 +132,12 @@ def run_forked(
     timeout: float = 180,
     args=(),
 ) -> Ran:
-    """``run_python``, in a child forked from an interpreter that has imported torch and the ``preload`` modules
-    of torch (never torchfix): for code that imports torchfix itself and does not test what happens before those
-    are imported. Saves the imports' CPU seconds (torch ~2, Dynamo, Inductor and export ~2-3 more) every run.
-    Only TORCHFIX_ (and pytest's) variables may differ from the server's environment: torch read the rest."""
-    full_env = _test_env(disable, env)
+    """``run_python``, forked (``fork_python``) from an interpreter that has imported torch and the ``preload``
+    modules of torch. The code starts with what those imports set in the environment (TORCHINDUCTOR_CACHE_DIR),
+    as it would have after importing them in a fresh interpreter."""
     server = _ForkServer.get(preload)
-    differs = {k for k in {*full_env, *server.env} if full_env.get(k) != server.env.get(k)}
-    assert all(k.startswith(("TORCHFIX_", "PYTEST_")) for k in differs), f"run_forked cannot set {sorted(differs)}"
-    reply = server.request(code=textwrap.dedent(code), env=full_env, args=list(args), timeout=timeout)
-    if reply["timed_out"]:
-        raise subprocess.TimeoutExpired(["<forked>", "-c", code], timeout, reply["stdout"], reply["stderr"])
-    return Ran(reply["returncode"], reply["stdout"], reply["stderr"])
+    full_env = {**server.set_by_imports, **_test_env(disable, env)}
+    return fork_python(["-c", textwrap.dedent(code), *args], preload=preload, env=full_env, timeout=timeout)
 
 
 def run_ok(code: str, *, forked: str | None = None, **kwargs) -> Ran:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import _test_env, fork_python
 
 from dflash_train.__main__ import main
 
@@ -30,9 +31,21 @@ def tiny_flags(tmp_path: Path) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return env
+    return _test_env(env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+
+
+# What the trainer imports that takes its CPU seconds (torch's flex attention imports Dynamo; the torch.compile at
+# dflash_train.masks' import, Inductor's compile_fx and Dynamo's repro): a plain run is forked from an interpreter
+# that has imported them (conftest.fork_python), ~8 CPU s less a run. Not torchfix nor dflash_train: the run
+# imports them itself, torchfix first, as it does fresh. One difference: the server's import of Dynamo fixed
+# DynamoCache's folder (torch._dynamo.package, read only with caching_precompile, off) under Inductor's default
+# cache folder; every other read of TORCHINDUCTOR_CACHE_DIR is live, and the run's environment has none from the
+# server: the trainer points it at its own private folder, as it does fresh.
+TRAINER_IMPORTS = (
+    "torch.nn.attention.flex_attention", "torch.distributed", "torch.utils.checkpoint", "transformers",
+    "transformers.models.qwen3.modeling_qwen3", "safetensors.torch", "tqdm", "matplotlib.pyplot",
+    "torch._inductor.compile_fx", "torch._dynamo.repro.after_dynamo",
+)  # fmt: skip
 
 
 # The command line with a fault armed (dflash_train.faults): how the tests of the error paths make a worker fail.
@@ -43,14 +56,15 @@ def _trainer(launcher: tuple[str, ...], fault: str) -> list[str]:
     return [*launcher, WITH_FAULT, fault] if fault else [*launcher, "-m", "dflash_train"]
 
 
-def run_cli(
-    args: list[str], timeout: float = 240, launcher: tuple[str, ...] = (), fault: str = "", **kwargs
-) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], timeout: float = 240, launcher: tuple[str, ...] = (), fault: str = ""):
     """``python [launcher] -m dflash_train args``; ``launcher`` runs it under torchrun, for instance; ``fault``
-    ('raise@drafter:2') arms a fault in it first."""
+    ('raise@drafter:2') arms a fault in it first. Without a launcher, forked (TRAINER_IMPORTS): no run of this
+    helper is sent a signal; those that are start fresh (start_training), as the launchers' ranks do."""
+    argv = [*_trainer(launcher, fault), *args]
+    if not launcher:
+        return fork_python(argv, preload=TRAINER_IMPORTS, env=_env(), cwd=str(REPO), timeout=timeout)
     return subprocess.run(
-        [sys.executable, *_trainer(launcher, fault), *args],
-        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO, **kwargs,
+        [sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO
     )  # fmt: skip
 
 
