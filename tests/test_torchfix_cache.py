@@ -324,7 +324,7 @@ def test_a_defaults_entry_is_never_evaluated(cold_cache, tmp_path):
     cache = rewritten(
         cold_cache, tmp_path, "defaults", lambda key, _: {n: (code, None, "object") for n in ast.literal_eval(key[3])}
     )
-    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)})
+    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers")
     assert not marker.exists()
     assert ran.json() == cold_cache[1] and "not applied" not in ran.stderr, ran.stderr
 
@@ -334,7 +334,7 @@ def test_an_entry_that_does_not_apply_is_rebuilt(cold_cache, tmp_path):
     # Edits of lines the file does not have, under the right key.
     bad = lambda key, rows: [(10**6, *row[1:]) for row in rows]  # noqa: E731
     cache = rewritten(cold_cache, tmp_path, "edits", bad)
-    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)})
+    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers")
     assert ran.json() == cold_cache[1] and "not applied" not in ran.stderr, ran.stderr
     for path in cache.glob("edits-*.bin"):  # replaced: the next start reads good ones
         assert all(row[0] < 10**6 for row in marshal.loads(path.read_bytes())[1])
@@ -345,7 +345,7 @@ def test_a_roster_of_fixes_that_misses_one_is_rebuilt(cold_cache, tmp_path):
     # The roster (each fix's module, name, order, trigger) says which fixes `import torchfix` installs: one that
     # lacks a fix, under the right key, must not leave it out.
     cache = rewritten(cold_cache, tmp_path, "fixes", lambda key, rows: rows[1:])
-    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)})
+    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers")
     assert ran.json() == cold_cache[1], ran.stderr
     for path in cache.glob("fixes-*.bin"):  # replaced
         assert len(marshal.loads(path.read_bytes())[1]) == len(cold_cache[1]["status"])
