@@ -1,10 +1,11 @@
 """python -m bench equivalence: one thread, torchfix on and off, the same corpus case by case.
 
 torchfix promises that one thread sees torch exactly as without it. This runs torch's own OpInfo database (it ships
-in the wheel: ``torch.testing._internal.common_methods_invocations.op_db``) twice, each in a fresh interpreter, with
-torchfix and with ``TORCHFIX_DISABLE=1``, and compares per operator what a user can see: for its first sample input,
-through ``torch.compile(backend="aot_eager")`` (the output, the graphs Dynamo made and their code, graph breaks,
-recompiles, the error message) and through ``make_fx`` (the graph's code, the error). Then, the same way, each API a
+in the wheel: ``torch.testing._internal.common_methods_invocations.op_db``) twice, in two children forked from one
+interpreter that imported it (never torchfix): one imports torchfix, the other never does. It compares per operator
+what a user can see: for its first sample input, through ``torch.compile(backend="aot_eager")`` (the output, the
+graphs Dynamo made and their code, graph breaks, recompiles, the error message) and through ``make_fx`` (the graph's
+code, the error). Then, the same way, each API a
 fix patches used in one thread as torch's docs show it (``bench/equivalence_apis.py``: outputs, graph code, graph
 breaks, recompiles, the guards and recompile reasons Dynamo logs, errors). Any difference is listed.
 ``--quick`` (what the test suite runs) takes every 25th operator and every API case.
@@ -20,10 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-# ``python -c CORPUS OUT STRIDE`` (a fresh interpreter) writes to OUT what every STRIDE-th operator of op_db showed.
+# ``python -c CORPUS OUT STRIDE`` writes to OUT what every STRIDE-th operator of op_db showed (run by SIDES).
 CORPUS = r"""
 import json, sys, warnings
-import torchfix, torch
+import torch
 from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.common_methods_invocations import op_db
@@ -108,28 +109,56 @@ with open(sys.argv[1], "w") as f:
 """
 
 
-def _observed(what: str, program: list[str], disable: bool, timeout: float) -> dict:
-    """What ``python program[0] program[1] OUT program[2:]`` wrote to OUT (a JSON file), run in a fresh interpreter
-    with torchfix, or with ``TORCHFIX_DISABLE=1``."""
+# ``python -c SIDES FOLDER PRELOAD CODE ARGS...``: a fresh interpreter imports PRELOAD (the corpus's imports: OpInfo's
+# database takes ~20 CPU s), never torchfix, then forks a child per side, one after the other, each running CODE as
+# ``python -c CODE FOLDER/SIDE.json ARGS...`` would: "on" imports torchfix first, "off" never imports it. Both start
+# from the same interpreter state (the random generators' too).
+SIDES = r"""
+import importlib, os, sys, traceback
+folder, preload, code, *args = sys.argv[1:]
+importlib.import_module(preload)
+if "torchfix" in sys.modules:
+    sys.exit("torchfix was imported before the fork: the off side would have it")
+if len(os.listdir("/proc/self/task")) != 1:
+    sys.exit("the imports started threads: forking is safe from one thread only")
+for side in ("on", "off"):
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            # Each side its own compile caches, as two separate runs.
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, side)
+            if side == "on":
+                import torchfix  # noqa: F401
+            sys.argv = ["-c", os.path.join(folder, side + ".json"), *args]
+            exec(compile(code, "<corpus>", "exec"), {"__name__": "__main__"})
+            status = 0 if side == "on" or "torchfix" not in sys.modules else 2
+            if status:
+                print("the off side imported torchfix", file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:  # os._exit: the children share the parent's buffers and at-exit handlers
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        sys.exit(f"the {side} side failed (exit {os.waitstatus_to_exitcode(status)})")
+"""
+
+
+def _differences(what: str, preload: str, code: str, args: list[str], timeout: float, prefix: str = "") -> tuple:
+    """Both sides of a corpus (SIDES): what the side without torchfix saw, and each case that differs with it."""
     with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "results.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-        # One hash seed for both runs: some samples iterate a set of strings (meshgrid's indexing), whose order
-        # differs between interpreters otherwise.
-        env |= {"TORCHINDUCTOR_CACHE_DIR": folder, "TRITON_CACHE_DIR": folder, "PYTHONHASHSEED": "0"}
-        env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-        if disable:
-            env["TORCHFIX_DISABLE"] = "1"
-        command = [sys.executable, *program[:2], str(out), *program[2:]]
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        # One hash seed (some samples iterate a set of strings: meshgrid's indexing), one compile thread, and
+        # OpenBLAS (loaded with numpy, by torch) without its threads, which would make forking unsafe.
+        env |= {"PYTHONHASHSEED": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        command = [sys.executable, "-c", SIDES, folder, preload, code, *args]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=2 * timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"the {what} run failed ({'off' if disable else 'on'}):\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
-
-
-def _differences(what: str, program: list[str], timeout: float, prefix: str = "") -> tuple[dict, dict]:
-    """Both runs of ``program``: what the run without torchfix saw, and each case that differs with torchfix."""
-    with_fix, without = _observed(what, program, False, timeout), _observed(what, program, True, timeout)
+            raise RuntimeError(f"the {what} run failed:\n{proc.stderr[-3000:]}")
+        with_fix, without = (json.loads((Path(folder) / f"{side}.json").read_text()) for side in ("on", "off"))
     differ = {
         prefix + name: {"with torchfix": with_fix.get(name), "without": without.get(name)}
         for name in sorted(set(with_fix) | set(without))
@@ -141,8 +170,10 @@ def _differences(what: str, program: list[str], timeout: float, prefix: str = ""
 def run(quick: bool = False, every: int | None = None, timeout: float = 3600) -> dict:
     """Both runs and their differences, per operator."""
     every = every or (25 if quick else 1)
-    without, differ = _differences("OpInfo corpus", ["-c", CORPUS, str(every)], timeout)
-    apis, api_differ = _differences("API corpus", ["-m", "bench.equivalence_apis"], timeout, prefix="api: ")
+    ops = "torch.testing._internal.common_methods_invocations"
+    without, differ = _differences("OpInfo corpus", ops, CORPUS, [str(every)], timeout)
+    apis_main = "import sys\nfrom bench.equivalence_apis import main\nmain(sys.argv[1])"
+    apis, api_differ = _differences("API corpus", "bench.equivalence_apis", apis_main, [], timeout, prefix="api: ")
     cases = [c for c in without.values() if c and "sample" not in c]
     return {
         "torch": importlib.metadata.version("torch"),

@@ -1,9 +1,9 @@
 """The equivalence run's second corpus: each API a fix patches, used in one thread the way torch's docs show.
 
-``python -m bench.equivalence_apis OUT.json`` runs every case in this interpreter (``import torchfix`` after torch,
-as a user may; with ``TORCHFIX_DISABLE=1`` the run without it) and writes what each case observed: outputs, graph
-code, graph breaks, recompiles and their reasons, the guards Dynamo wrote, and error messages.
-``bench/equivalence.py`` runs it twice and compares case by case. Each of ``CASES`` names the fixes whose patched
+``main(OUT.json)`` runs every case in this interpreter and writes what each case observed: outputs, graph code, graph
+breaks, recompiles and their reasons, the guards Dynamo wrote, and error messages. ``bench/equivalence.py`` runs it
+twice, forked from one interpreter that imported this module: with torchfix imported (after torch, as a user may)
+and without, and compares case by case. Each of ``CASES`` names the fixes whose patched
 code it goes through; a test checks that every fix is named by a case (the CUDA-only ones by the case that runs on
 CUDA only).
 """
@@ -15,7 +15,6 @@ import io
 import json
 import logging
 import re
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -525,8 +524,6 @@ CASES = [
 
 
 def main(out: str) -> None:
-    import torchfix  # noqa: F401  (after torch, as a user may; with TORCHFIX_DISABLE=1 the run without torchfix)
-
     results: dict[str, dict] = {}
     for case in CASES:
         if case.cuda and not torch.cuda.is_available():
@@ -539,7 +536,3 @@ def main(out: str) -> None:
         results[case.run.__name__] = seen.found
     with open(out, "w") as f:
         json.dump(results, f, default=repr)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -49,9 +49,20 @@ def _test_env(disable: str | None = None, env: dict[str, str] | None = None) -> 
 
 
 def run_python(
-    code: str, *, disable: str | None = None, env: dict[str, str] | None = None, timeout: float = 180, args=()
+    code: str,
+    *,
+    forked: str | None = None,
+    disable: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+    args=(),
 ) -> Ran:
-    """Run ``code`` in a new interpreter. ``disable`` sets TORCHFIX_DISABLE (``"1"`` for all)."""
+    """Run ``code`` in a new interpreter, or forked (``run_forked``) from one that has imported torch
+    (``forked="torch"``) or torch and every module a fix waits for (``forked="triggers"``: the fixes all apply at
+    ``import torchfix``). ``disable`` sets TORCHFIX_DISABLE (``"1"`` for all)."""
+    if forked is not None:
+        preload = {"torch": (), "triggers": TRIGGERS}[forked]
+        return run_forked(code, preload=preload, disable=disable, env=env, timeout=timeout, args=args)
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         capture_output=True,
@@ -140,14 +151,9 @@ def run_forked(
     return fork_python(["-c", textwrap.dedent(code), *args], preload=preload, env=full_env, timeout=timeout)
 
 
-def run_ok(code: str, *, forked: str | None = None, **kwargs) -> Ran:
-    """Run ``code``, asserting that it exits 0: in a fresh interpreter (``run_python``), or forked (``run_forked``)
-    from one that has imported torch (``forked="torch"``) or torch and every module a fix waits for
-    (``forked="triggers"``: the fixes all apply at ``import torchfix``)."""
-    if forked is None:
-        ran = run_python(code, **kwargs)
-    else:
-        ran = run_forked(code, preload={"torch": (), "triggers": TRIGGERS}[forked], **kwargs)
+def run_ok(code: str, **kwargs) -> Ran:
+    """``run_python``, asserting that ``code`` exits 0."""
+    ran = run_python(code, **kwargs)
     assert ran.returncode == 0, f"exit {ran.returncode}\nstdout:\n{ran.stdout}\nstderr:\n{ran.stderr}"
     return ran
 

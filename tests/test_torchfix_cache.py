@@ -7,7 +7,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -120,15 +119,21 @@ def test_the_cache_can_be_turned_off(tmp_path):
 @release_independent
 def test_processes_starting_together_share_an_empty_cache(tmp_path):
     cache = tmp_path / "cache"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-    env.update(TORCHFIX_CACHE_DIR=str(cache), TORCHINDUCTOR_COMPILE_THREADS="1")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        for _ in range(4)
-    ]
-    outputs = [proc.communicate(timeout=300) for proc in procs]
-    assert [proc.returncode for proc in procs] == [0] * 4, [err[-2000:] for _, err in outputs]
-    assert len({out.strip().splitlines()[-1] for out, _ in outputs}) == 1
+    # Four processes forked at once (from one that has imported torch and the triggers, not torchfix), each running
+    # PROBE, and so `import torchfix`, against the empty cache; their parent exits 1 if one of them failed.
+    together = """
+import os, sys
+children = []
+for _ in range(4):
+    if os.fork() == 0:
+        break
+    children.append(None)
+else:
+    sys.exit(1 if any(os.wait()[1] for _ in children) else 0)
+"""
+    ran = run_ok(together + PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers", timeout=300)
+    reports = ran.stdout.strip().splitlines()
+    assert len(reports) == 4 and len(set(reports)) == 1, ran.stdout
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
     assert probe(cache) == probe(tmp_path / "other")
 
@@ -324,7 +329,7 @@ def test_a_defaults_entry_is_never_evaluated(cold_cache, tmp_path):
     cache = rewritten(
         cold_cache, tmp_path, "defaults", lambda key, _: {n: (code, None, "object") for n in ast.literal_eval(key[3])}
     )
-    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)})
+    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers")
     assert not marker.exists()
     assert ran.json() == cold_cache[1] and "not applied" not in ran.stderr, ran.stderr
 
@@ -334,7 +339,7 @@ def test_an_entry_that_does_not_apply_is_rebuilt(cold_cache, tmp_path):
     # Edits of lines the file does not have, under the right key.
     bad = lambda key, rows: [(10**6, *row[1:]) for row in rows]  # noqa: E731
     cache = rewritten(cold_cache, tmp_path, "edits", bad)
-    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)})
+    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers")
     assert ran.json() == cold_cache[1] and "not applied" not in ran.stderr, ran.stderr
     for path in cache.glob("edits-*.bin"):  # replaced: the next start reads good ones
         assert all(row[0] < 10**6 for row in marshal.loads(path.read_bytes())[1])
@@ -345,7 +350,7 @@ def test_a_roster_of_fixes_that_misses_one_is_rebuilt(cold_cache, tmp_path):
     # The roster (each fix's module, name, order, trigger) says which fixes `import torchfix` installs: one that
     # lacks a fix, under the right key, must not leave it out.
     cache = rewritten(cold_cache, tmp_path, "fixes", lambda key, rows: rows[1:])
-    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)})
+    ran = run_ok(PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers")
     assert ran.json() == cold_cache[1], ran.stderr
     for path in cache.glob("fixes-*.bin"):  # replaced
         assert len(marshal.loads(path.read_bytes())[1]) == len(cold_cache[1]["status"])

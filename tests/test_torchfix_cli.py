@@ -19,12 +19,18 @@ from conftest import (
 PATCHES = Path(__file__).resolve().parent.parent / "patches" / TORCH_VERSION.base_version
 
 
-def torchfix_cli(*args: str, **kwargs):
-    return run_python("import sys, torchfix.__main__ as m; sys.exit(m.main(sys.argv[1:]))", args=args, **kwargs)
+def torchfix_cli(*args: str, forked: str | None = "triggers", **kwargs):
+    """``python -m torchfix ARGS``: forked from an interpreter that has imported what the commands import (torch and
+    the triggers), unless ``forked=None``."""
+    code = "import sys, torchfix.__main__ as m; sys.exit(m.main(sys.argv[1:]))"
+    return run_python(code, args=args, forked=forked, **kwargs)
 
 
 def test_doctor_reports_every_fix_and_passes_the_self_test():
-    ran = torchfix_cli(timeout=600)  # every fix's scenarios, one after another: a minute on an idle 2-core machine
+    # Fresh, as a user runs it: torchfix imported before torch (the fixes apply through its import hooks), and the
+    # interpreter's own exit after the self-test's threads. Every fix's scenarios, one after another: a minute on an
+    # idle 2-core machine.
+    ran = torchfix_cli(timeout=600, forked=None)
     assert "fx-tracing-flag" in ran.stdout and "FAIL" not in ran.stdout, ran.stdout + ran.stderr
     assert ran.returncode == 0 and ran.stdout.rstrip().endswith("OK"), ran.stdout + ran.stderr
 
@@ -51,7 +57,8 @@ def test_diff_prints_the_patches_of_the_installed_torch():
 def test_patches_dir_has_not_drifted():
     if not PATCHES.is_dir():
         pytest.skip(f"patches/ has no directory for torch {TORCH_VERSION.base_version}")
-    ran = run_ok("""
+    ran = run_ok(
+        """
 import importlib, json, torch, torchfix
 from torchfix import fixes
 from torchfix.__main__ import _installed_reader
@@ -63,7 +70,9 @@ for fix in fixes.ALL:  # the fixes that wait for a part of torch (Dynamo, Induct
 applied = {s.name for s in torchfix.status() if s.state.value == "applied"}
 diffs = {fix.name: fix.diff(torch.__version__, _installed_reader) for fix in fixes.ALL if fix.name in applied}
 print(json.dumps(diffs))
-""").json()
+""",
+        forked="triggers",
+    ).json()
     committed = {p.stem: p.read_text() for p in PATCHES.glob("*.diff")}
     assert ran == committed, "patches/ drifted from what torchfix applies: regenerate it (see docs/usage.md)"
 
@@ -172,7 +181,8 @@ print(json.dumps({"actions": [a.name for a in stress.ACTIONS], "errors": stress.
 def test_the_readmes_before_and_after_fails_without_torchfix_and_passes_with_it():
     readme = (ROOT / "README.md").read_text()
     example = readme.split("## Before and after", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    with_fix, without = run_python(example), run_python(example, disable="1")
+    # Forked from torch alone: the block imports torch, then torchfix, as it would in a fresh interpreter.
+    with_fix, without = run_python(example, forked="torch"), run_python(example, disable="1", forked="torch")
     assert with_fix.returncode == 0 and "ok:" in with_fix.stdout, with_fix.stdout + with_fix.stderr
     if HAS_H1:  # the hazard it forces, every run (torch 2.14 made the flag per thread upstream)
         assert without.returncode == 1, without.stdout + without.stderr

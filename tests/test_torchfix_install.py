@@ -28,7 +28,7 @@ def test_import_torchfix_before_torch():
 
 
 def test_import_torchfix_after_torch():
-    assert report("import torch\nimport torchfix") == {"state": expected_state(), "hazard": False}
+    assert report("import torch\nimport torchfix", forked="torch") == {"state": expected_state(), "hazard": False}
 
 
 def test_import_torchfix_before_a_torch_submodule():
@@ -44,7 +44,8 @@ early = torch.compile(lambda x: x * 2, backend="eager")
 early(torch.ones(2))
 import torchfix
 """
-    assert report(prelude, h1_kwargs="{'compiled': early}") == {"state": expected_state(), "hazard": False}
+    found = report(prelude, h1_kwargs="{'compiled': early}", forked="torch")
+    assert found == {"state": expected_state(), "hazard": False}
 
 
 @needs_h1
@@ -172,7 +173,8 @@ import torch._dynamo.eval_frame as ef
 seen["loaded_with_it"] = [e.module in sys.modules for e in waiting if e.trigger == ef.__name__]
 seen["loader"] = [type(ef.__loader__).__name__, ef.__spec__.loader is ef.__loader__]
 print(json.dumps(seen))
-"""
+""",
+        forked="torch",
     ).json()
     assert ran["loaded_early"] == [] and all(ran["loaded_with_it"]), ran
     assert ran["loader"] == ["SourceFileLoader", True], ran
@@ -211,7 +213,9 @@ print(json.dumps(seen))
     ids=["dynamo-later", "dynamo-first", "uninstalled-before-dynamo", "reinstalled-before-dynamo"],
 )
 def test_fix_that_waits_for_dynamo(prelude, steps, expected):
-    seen = run_ok(RECHECK_LIFECYCLE.format(prelude=prelude, steps=steps)).json()
+    # Without a prelude torchfix comes before torch: a fresh interpreter. With one, forked from torch alone (Dynamo
+    # not imported yet).
+    seen = run_ok(RECHECK_LIFECYCLE.format(prelude=prelude, steps=steps), forked="torch" if prelude else None).json()
     if seen.pop("dynamo_at_import"):
         expected["at_import"] = "applied"
     assert seen == expected

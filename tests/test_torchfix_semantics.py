@@ -386,6 +386,7 @@ def outer(f, x):
 print(json.dumps(outer(wrapped, torch.ones(3)).tolist()))
 """,
         disable="compile-cache-recheck" if disabled else None,
+        forked="torch",
     ).json()
     if ran is None:
         pytest.skip("torch.compiler has no is_compiling (or disable no recursive=) before 2.3")
@@ -450,7 +451,7 @@ print(json.dumps(found))
 
 
 def test_every_per_thread_name_reads_writes_and_resets_in_one_thread_as_without_torchfix():
-    fixed, plain = (run_ok(PER_THREAD_NAMES, disable=off).json() for off in (None, "1"))
+    fixed, plain = (run_ok(PER_THREAD_NAMES, disable=off, forked="triggers").json() for off in (None, "1"))
     assert fixed.keys() == plain.keys(), (sorted(fixed), sorted(plain))
     counters = set()
     if TORCH_VERSION.release >= (2, 1):  # CUDA graph trees
@@ -586,7 +587,7 @@ def test_switch_overrides_in_one_thread_are_torchs():
     # model sets a switch the export changed, and sdpa_kernel in compiled code: the same switches at every step.
     # The one difference: a setting the export does not change (cudnn.deterministic), made by the model while it is
     # exported, stays after it; torch 2.11+ writes back cudnn's whole saved tuple (what undoes other threads' settings).
-    with_fix, without = (run_ok(ONE_THREAD_SWITCHES, disable=disable).json() for disable in (None, "1"))
+    with_fix, without = (run_ok(ONE_THREAD_SWITCHES, disable=disable, forked="torch").json() for disable in (None, "1"))
     after_export = [step[0] for step in without].index("after export")
     torch_undoes_it = TORCH_VERSION.release >= (2, 11)
     assert (with_fix[after_export][3][3], without[after_export][3][3]) == (False, torch_undoes_it)
@@ -631,7 +632,8 @@ seen["tables_after"] = all(
 torchfix.uninstall()
 seen["same_graphs"] = graphs() == fixed
 print(json.dumps(seen))
-"""
+""",
+        forked="torch",
     ).json()
     assert ran == {"status": "applied", "tables_after": True, "same_graphs": True}
 
@@ -719,6 +721,7 @@ print(json.dumps({
 }))
 """,
         disable="1",
+        forked="torch",
     ).json()
     assert ran["changed"] == [] and ran["manager is convert_frame's after removal"], ran
     assert ran["graphs"] >= 2, ran  # compiled inside the mode, and again outside it (the mode-stack guard)

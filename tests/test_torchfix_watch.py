@@ -42,7 +42,7 @@ CALL = "torch.nn.modules.module.Module.__call__"  # the tracer's patch: a per-th
 
 
 def test_the_watcher_reports_shared_state_and_not_per_thread_state():
-    with_fix, without = run_ok(WATCHED).json(), run_ok(WATCHED, disable="1").json()
+    with_fix, without = run_ok(WATCHED, forked="torch").json(), run_ok(WATCHED, disable="1", forked="torch").json()
     assert FLAG not in with_fix and CALL not in with_fix, with_fix  # per thread with torchfix (the flag upstream 2.14+)
     if HAS_H1:
         assert without.get(FLAG) is True, without  # set while the trace ran, then restored
@@ -59,6 +59,7 @@ def test_watch_runs_a_program_and_prints_what_changed(tmp_path):
     ran = run_python(
         "import sys, torchfix.__main__ as m; sys.exit(m.main(sys.argv[1:]))",
         args=("watch", "--json", str(report), "--", str(script)),
+        forked="torch",
     )
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "job ran" in ran.stdout and "torchfix watch:" in ran.stderr and report.exists()
@@ -78,7 +79,7 @@ print(json.dumps([c["name"] for c in watcher.report()["changes"]]))
 def test_a_global_a_fix_moves_while_watched_is_read_as_other_modules_read_it():
     """A fix applied while the watcher runs (one waiting for a module's import) takes the global out of the
     module's dict: the watcher reads ``module.NAME`` then, the watcher thread's own value, and reports nothing."""
-    assert run_ok(REINSTALLED).json() == []
+    assert run_ok(REINSTALLED, forked="torch").json() == []
 
 
 def test_the_declared_names_are_triaged_with_a_reason_and_real_fixes():
@@ -164,7 +165,8 @@ FAMILY_FIXES = (
 def test_the_watcher_reports_the_five_families_without_their_fixes_and_nothing_new_with_them():
     """Issue 27's five families, each held open in a thread of its own: new without their fixes; with them, the
     C++ switches (out of reach) are known and nothing is new."""
-    without, with_fix = run_ok(FAMILIES, disable=FAMILY_FIXES).json(), run_ok(FAMILIES).json()
+    without = run_ok(FAMILIES, disable=FAMILY_FIXES, forked="torch").json()
+    with_fix = run_ok(FAMILIES, forked="torch").json()
     new = {name for name, known in without.items() if known is None}
     assert any(name.startswith("aten.") for name in new), without  # 1: run_decompositions' overrides
     assert "torch._C._get_mkldnn_enabled()" in new, without  # 2

@@ -126,7 +126,9 @@ class HeldTrace:
 
     def __init__(self, tracer: str, timeout: float, probe: Callable[[], object] | None = None) -> None:
         self.tracer, self.timeout, self.probe = tracer, timeout, probe
+        # inside: set when the thread is inside, or has ended without getting there (got_inside False).
         self.inside, self.release = threading.Event(), threading.Event()
+        self.got_inside = False
         self.errors: list[BaseException] = []
         self.seen_inside: list[object] = []
         self.graph_ops: list[str] = []
@@ -135,6 +137,7 @@ class HeldTrace:
     def _hold(self) -> None:
         if self.probe is not None:
             self.seen_inside.append(self.probe())
+        self.got_inside = True
         self.inside.set()
         self.release.wait(self.timeout)
 
@@ -163,10 +166,12 @@ class HeldTrace:
                 torch.compile(fresh_add_one(), backend=held_backend)(torch.ones(2))
         except BaseException as exc:  # reported by __exit__
             self.errors.append(exc)
+        finally:  # where it never got inside (a flag left stuck makes the trace raise), __enter__ waits no longer
+            self.inside.set()
 
     def __enter__(self) -> HeldTrace:
         self.thread.start()
-        if not self.inside.wait(self.timeout):
+        if not self.inside.wait(self.timeout) or not self.got_inside:
             self.thread.join(self.timeout)
             if self.errors:
                 raise self.errors[0]
