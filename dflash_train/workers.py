@@ -71,12 +71,16 @@ class Job:
             fn()
 
     def fail(self, worker: str) -> None:
+        self.record_failure(worker)
+        self.close()
+
+    def record_failure(self, worker: str) -> None:
+        """Keep the exception being handled as the job's failure, unless another came first."""
         error = sys.exc_info()[1]
         with self._failure_lock:
             if self.failure is None:
                 # A full disk is no bug of ours: its one line says all, without a traceback.
                 self.failure = error if isinstance(error, OutOfSpace) else WorkerFailed(worker, traceback.format_exc())
-        self.close()
 
     def start(self, name: str, fn: Callable[[], None]) -> None:
         """Run ``fn`` in a daemon thread; an exception there fails the whole job."""
@@ -253,9 +257,11 @@ class StepSync:
             self._averaged = {d: streams.record(d) for d in devices}
             self.stop = self.collectives.any_(self.job.stop_requested.is_set())  # Ctrl-C on any rank stops all
         except BaseException:
-            # A failed collective (another rank died): report it before the other threads see a
-            # broken barrier and report that instead.
-            self.job.fail(threading.current_thread().name)
+            # A failed collective (another rank died): recorded before the other threads see a broken
+            # barrier and report that instead. Not job.fail(): closing aborts this barrier, whose lock its
+            # action runs under (the rank hung there until its launcher killed it). The barrier breaks
+            # itself when its action raises, and this thread fails the job as it leaves.
+            self.job.record_failure(threading.current_thread().name)
             raise
 
     def wait(self, index: int, loss: torch.Tensor, correct: torch.Tensor, supervised: int) -> None:

@@ -100,6 +100,10 @@ def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
     assert "dflash-train (rank 1): worker thread 'drafter-0 (cpu)' failed" in ran.stderr, ran.stderr
     assert "RuntimeError: injected fault: drafter worker at step 2" in ran.stderr
     assert "done:" not in ran.stdout
+    # The other rank's all-reduce fails, and it says so and ends: it once hung in its barrier's action until
+    # torchrun killed it, 30 s after asking it to stop.
+    assert "dflash-train (rank 0): worker thread 'drafter-0 (cpu)' failed" in ran.stderr, ran.stderr
+    assert "SIGKILL" not in ran.stderr, ran.stderr
 
 
 def test_batch_must_split_across_every_thread_of_every_rank(monkeypatch):
