@@ -1,6 +1,7 @@
 """The benchmarks run (tiny sizes). They measure; they assert nothing about speed."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ def test_benchmark_smoke(name, tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
+        # The trainer's runs keep their folders (a benchmark's outputs): here, in the test's own folder.
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr
     assert f"== {name}" in proc.stdout
