@@ -151,6 +151,13 @@ def run_forked(
     return fork_python(["-c", textwrap.dedent(code), *args], preload=preload, env=full_env, timeout=timeout)
 
 
+def torchfix_cli(*args: str, forked: str | None = "triggers", **kwargs) -> Ran:
+    """``python -m torchfix ARGS`` (``run_python``), forked from an interpreter that has imported what the commands
+    import (torch and the triggers) unless ``forked`` says otherwise (``None``: a fresh interpreter)."""
+    code = "import sys, torchfix.__main__ as m; sys.exit(m.main(sys.argv[1:]))"
+    return run_python(code, args=args, forked=forked, **kwargs)
+
+
 def run_ok(code: str, **kwargs) -> Ran:
     """``run_python``, asserting that ``code`` exits 0."""
     ran = run_python(code, **kwargs)

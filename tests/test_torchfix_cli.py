@@ -14,16 +14,10 @@ from conftest import (
     fix_here,
     run_ok,
     run_python,
+    torchfix_cli,
 )
 
 PATCHES = Path(__file__).resolve().parent.parent / "patches" / TORCH_VERSION.base_version
-
-
-def torchfix_cli(*args: str, forked: str | None = "triggers", **kwargs):
-    """``python -m torchfix ARGS``: forked from an interpreter that has imported what the commands import (torch and
-    the triggers), unless ``forked=None``."""
-    code = "import sys, torchfix.__main__ as m; sys.exit(m.main(sys.argv[1:]))"
-    return run_python(code, args=args, forked=forked, **kwargs)
 
 
 def test_doctor_reports_every_fix_and_passes_the_self_test():

@@ -3,7 +3,7 @@ see it, found by looking from another thread. Samples are taken by hand here, wh
 their work, so nothing depends on timing."""
 
 import pytest
-from conftest import HAS_H1, HAS_H4, TORCH_VERSION, run_ok, run_python
+from conftest import HAS_H1, HAS_H4, TORCH_VERSION, run_ok, torchfix_cli
 
 from torchfix import fixes
 from torchfix.doctor.watch import DECLARED, Watcher
@@ -56,11 +56,7 @@ def test_watch_runs_a_program_and_prints_what_changed(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import torch\ntorch.fx.symbolic_trace(lambda x: x + 1)\nprint('job ran')\n")
     report = tmp_path / "report.json"
-    ran = run_python(
-        "import sys, torchfix.__main__ as m; sys.exit(m.main(sys.argv[1:]))",
-        args=("watch", "--json", str(report), "--", str(script)),
-        forked="torch",
-    )
+    ran = torchfix_cli("watch", "--json", str(report), "--", str(script), forked="torch")
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "job ran" in ran.stdout and "torchfix watch:" in ran.stderr and report.exists()
 
