@@ -245,7 +245,8 @@ print(json.dumps({"patched": patched, "restored": cf.CatchErrorsWrapper.__call__
 def test_compiled_autograd_graphs_cached_before_install_or_uninstall_still_run():
     # Compiled autograd keeps each graph's runtime_wrapper, a closure made by the patched file, in its C++ cache;
     # compiled-autograd-region empties that cache when it applies and reverts. Without that, a graph cached before
-    # `import torchfix` writes the global back into the module, and one cached with it raises NameError (the
+    # `import torchfix` writes the global back into the module's dict while it runs (with torchfix the name is out of
+    # the dict while a thread holds a value of its own: inside a graph), and one cached with it raises NameError (the
     # holder is gone) after uninstall.
     ran = run_ok(
         """
@@ -256,7 +257,7 @@ enable = getattr(ca, "_enable", None) or ca.enable  # enable: 2.5
 seen = []
 def compiler(gm):
     def run(*args):
-        seen.append(ca.in_compiled_autograd_region)
+        seen.append([ca.in_compiled_autograd_region, "in_compiled_autograd_region" in vars(ca)])
         return gm(*args)
     return run
 def step():
@@ -267,7 +268,6 @@ def step():
 found = {"before": step()}
 import torchfix
 found["installed"] = step()
-found["global back in the module"] = "in_compiled_autograd_region" in vars(ca)
 torchfix.uninstall()
 found["uninstalled"] = step()
 found["seen inside the graphs"] = seen
@@ -278,9 +278,9 @@ print(json.dumps(found))
     assert ran == {
         "before": [2.0, 2.0],
         "installed": [2.0, 2.0],
-        "global back in the module": False,
         "uninstalled": [2.0, 2.0],
-        "seen inside the graphs": [True, True, True],
+        # (the flag, whether the module's dict holds it) inside each graph: before, with torchfix, after
+        "seen inside the graphs": [[True, True], [True, False], [True, True]],
     }
 
 

@@ -77,7 +77,7 @@ def test_two_patches_of_one_function_compose(order, revert, after_one):
 )
 def test_two_fixes_of_one_file_revert_in_either_order():
     # fx-tracing-flag and trace-patch-isolation both move globals of torch.fx._symbolic_trace to
-    # per-thread holders, served to other modules by one module __getattr__.
+    # per-thread holders, served to other modules by one module __getattr__ (while one is out of the module's dict).
     ran = run_ok(
         """
 import json
@@ -94,8 +94,12 @@ iso_status, iso_patches = by_name["trace-patch-isolation"].apply(version)
 seen["states"] = [flag_status.state.value, iso_status.state.value]
 revert_all(flag_patches)  # the first applied goes first
 seen["flag_back"] = "_is_fx_tracing_flag" in vars(st) and "_is_fx_tracing_tls" not in vars(st)
-seen["isolation_kept"] = "_thread_patches" in vars(st) and "CURRENT_PATCHER" not in vars(st)
-st.CURRENT_PATCHER  # still served by the module __getattr__ of the fix that stays
+# The fix that stays still serves CURRENT_PATCHER per thread: from its holder, through the module __getattr__
+# while this thread holds a value of its own.
+probe = object()
+st._current_patcher_tls.patcher = probe
+seen["isolation_kept"] = "_thread_patches" in vars(st) and st.CURRENT_PATCHER is probe
+st._current_patcher_tls.patcher = None
 for patch in iso_patches:
     patch.verify()
 revert_all(iso_patches)
@@ -177,3 +181,49 @@ def test_a_decorator_of_the_same_file_is_patched_in_its_live_wrapper_and_through
         "body_edited": ["wrapped", 101],
         "body_reverted": ["wrapped", 2],
     }, seen
+
+
+# A module's moved globals are in its dict while no thread holds a value of its own, and the module has torchfix's
+# __getattr__ only while one does: CPython specialises no attribute read of a module with a __getattr__
+# (torch.compiler.is_exporting, read on every compiled call). A direct read answers for the calling thread either way.
+MODULE_GETATTR_WHILE_HELD = """
+import json, threading
+import torch, torchfix
+from torchfix.fixes import compiler_flags as fix
+module = torch.compiler
+holder = vars(module)[fix.HOLDER]
+
+def looks():  # (torchfix's __getattr__ in the module, the flag in the module's dict)
+    served = getattr(vars(module).get("__getattr__"), "__module__", "").startswith("torchfix")
+    return [served, vars(module).get("_is_compiling_flag", "not in the dict")]
+
+seen = {"idle": looks()}
+held, release = threading.Event(), threading.Event()
+def hold():
+    holder.is_compiling = True  # as Dynamo's tracing sets it
+    seen["holder's own read"] = module._is_compiling_flag
+    held.set()
+    release.wait(30)
+    holder.is_compiling = False
+thread = threading.Thread(target=hold)
+thread.start()
+held.wait(30)
+seen["held"] = [*looks(), module._is_compiling_flag]
+release.set()
+thread.join(30)
+seen["released"] = looks()
+torchfix.uninstall()
+seen["uninstalled"] = [looks(), fix.HOLDER in vars(module)]
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(TORCH_VERSION.release < (2, 3), reason="torch.compiler's flags are globals from torch 2.3")
+def test_moved_globals_stay_in_the_module_dict_while_no_thread_holds_its_own():
+    assert run_ok(MODULE_GETATTR_WHILE_HELD, forked="torch").json() == {
+        "idle": [False, False],
+        "holder's own read": True,
+        "held": [True, "not in the dict", False],
+        "released": [False, False],
+        "uninstalled": [[False, False], False],
+    }
