@@ -227,3 +227,37 @@ def test_moved_globals_stay_in_the_module_dict_while_no_thread_holds_its_own():
         "released": [False, False],
         "uninstalled": [[False, False], False],
     }
+
+
+# A patch that fails while it moves a module's globals leaves the module as it was: the globals back in its dict, no
+# holder, no __getattr__. (Here the value a global holds at the install cannot be compared with its default.)
+MOVE_REFUSED = """
+import json, sys, pathlib, tempfile
+folder = pathlib.Path(tempfile.mkdtemp())
+(folder / "moved.py").write_text("FLAG = False\\n\\ndef read():\\n    return FLAG\\n")
+sys.path.insert(0, str(folder))
+import torch, moved
+from torchfix.patching.patches import ThreadLocalGlobals
+
+class Uncomparable:
+    def __ne__(self, other):
+        raise RuntimeError("cannot compare")
+
+stuck = moved.FLAG = Uncomparable()  # set before the install: the installing thread's own value
+before = dict(vars(moved))
+patch = ThreadLocalGlobals("moved", "moved.py", "_moved_tls", {"FLAG": "flag"}, seen_in_backward=True)
+try:
+    patch.apply()
+    error = None
+except RuntimeError as exc:
+    error = str(exc)
+print(json.dumps({"error": error, "module as before": vars(moved) == before, "reads": moved.read() is stuck}))
+"""
+
+
+def test_a_move_that_fails_leaves_the_module_as_it_was():
+    assert run_ok(MOVE_REFUSED, forked="torch").json() == {
+        "error": "cannot compare",
+        "module as before": True,
+        "reads": True,
+    }

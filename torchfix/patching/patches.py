@@ -700,10 +700,18 @@ class ThreadLocalGlobals(SourcePatch):
         own = {name: (_OwnFlag if name in flags else _OwnValues)(holder, moved[name]) for name in fast}
         namespace[self.holder] = holder
         values = moved_globals.add({name: (holder, attr) for name, attr in moved.items()})
-        switch(False)
-        for name, attr in moved.items():
-            if attr in factories or values[name] is not shared[attr]:
-                setattr(holder, attr, values[name])
+        try:
+            switch(False)
+            for name, attr in moved.items():
+                if attr in factories or values[name] is not shared[attr]:
+                    setattr(holder, attr, values[name])  # compares the value with the default: may raise
+        except BaseException:  # the names are out of the dict: put the module back as it was, then refuse
+            del namespace[self.holder]
+            for name in fast:
+                namespace.pop(f"{name}_shared", None)
+            namespace.update(values)
+            moved_globals.remove(moved)
+            raise
         self._moved, self._served = moved, served
 
     def _remove_state(self, module: types.ModuleType) -> None:
