@@ -149,6 +149,7 @@ FIX = moved_globals_fix(
     FLAGS,
     order=420,
     optional=frozenset(FLAGS) - {"_is_in_torch_dispatch_mode"},
+    set_often=True,  # every TorchDispatchMode's enter and exit
     scenarios=(
         Scenario(
             dispatch_mode_flags_elsewhere,

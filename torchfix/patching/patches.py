@@ -490,15 +490,16 @@ def moved_globals_fix(
     optional: frozenset[str] = frozenset(),
     own: frozenset[str] = frozenset(),
     seen_in_backward: bool,
+    set_often: bool = False,
     trigger: str = "torch",
     scenarios: tuple[Scenario, ...] = (),
     soak: SoakCheck | None = None,
     **facts: str,
 ) -> Fix:
     """A fix that moves globals of one torch module to per-thread storage (:class:`ThreadLocalGlobals`; ``optional``,
-    ``own`` and ``seen_in_backward`` are its), and does nothing else: from torch ``first`` (before it, the first of
-    ``moved`` does not exist) through the newest checked release. ``order``, ``facts`` (``symptom`` and the other
-    texts of the table of fixes), ``soak`` and the rest are :class:`Fix`'s."""
+    ``own``, ``seen_in_backward`` and ``set_often`` are its), and does nothing else: from torch ``first`` (before it,
+    the first of ``moved`` does not exist) through the newest checked release. ``order``, ``facts`` (``symptom`` and
+    the other texts of the table of fixes), ``soak`` and the rest are :class:`Fix`'s."""
     probed = next(iter(moved))
     return Fix(
         name=name,
@@ -514,6 +515,7 @@ def moved_globals_fix(
                 optional=optional,
                 own=own,
                 seen_in_backward=seen_in_backward,
+                set_often=set_often,
             )
         ],
         order=order,
@@ -570,6 +572,7 @@ class ThreadLocalGlobals(SourcePatch):
         seen_in_backward: bool,
         optional: frozenset[str] = frozenset(),
         own: frozenset[str] = frozenset(),
+        set_often: bool = False,
     ) -> None:
         super().__init__(module, relpath)
         self.holder = holder
@@ -583,6 +586,11 @@ class ThreadLocalGlobals(SourcePatch):
         # Whether a backward on autograd's device thread sees the thread's values (False: a plain threading.local
         # holder, read and written with no call; see per_thread_class)
         self.seen_in_backward = seen_in_backward
+        # Whether torch sets them at a rate (every dispatch mode's enter and exit) at which taking them out of the
+        # module's dict and back (_MovedGlobals.keep_in_dict) costs more than the attribute reads it makes faster:
+        # then they stay out, served by the module __getattr__ (a mode around one op: 23.5 k enters a second with
+        # them out for good, 18.4 k moving them; CPU machine, Python 3.11).
+        self.set_often = set_often
         self._moved: dict[str, str] = {}  # the attrs moved in the live module
         self._served: dict[str, object] = {}  # the moved names the module's dict holds while no thread has its own
         self._nothing_here = False  # apply() found none of the names (every one optional): nothing to patch
@@ -684,13 +692,14 @@ class ThreadLocalGlobals(SourcePatch):
 
         # While no thread holds a value of its own, the module's dict holds the shared values too, for reads of
         # `module.NAME` (see _MovedGlobals.keep_in_dict).
-        served = {name: shared[moved[name]] for name in fast}
+        served = {} if self.set_often else {name: shared[moved[name]] for name in fast}
         moved_globals = _MovedGlobals.of(module)
 
         def switch(some_own: bool) -> None:  # the fast reads' globals: the shared values, or "go to the holder"
             if namespace.get(self.holder) is holder:  # not after the revert
                 namespace.update({f"{name}_shared": (own if some_own else reads)[name] for name in fast})
-                moved_globals.keep_in_dict(served, kept=not some_own)
+                if served:
+                    moved_globals.keep_in_dict(served, kept=not some_own)
 
         holder = per_thread_class(
             self.holder, shared, factories, seen_in_backward=self.seen_in_backward, on_change=switch
@@ -790,7 +799,9 @@ class _MovedGlobals:
     (``torch.compiler.is_exporting``, read on every compiled call, and every other): 16 ns more a read on Python
     3.11, 23 on 3.12 on the CPU machine. So a moved global that every thread reads as the shared value (no thread
     holds one of its own, which is most of the time) stays in the dict as that value (``keep_in_dict``), and the
-    module has the ``__getattr__`` only while some moved global is out of it."""
+    module has the ``__getattr__`` only while some moved global is out of it. Those switches are rare (a compiled
+    training step makes none; a compile a few per module); the globals torch sets far more often stay out
+    (``ThreadLocalGlobals.set_often``)."""
 
     _by_module: ClassVar[dict[str, _MovedGlobals]] = {}
 
