@@ -739,8 +739,9 @@ class ThreadLocalGlobals(SourcePatch):
         super().verify()
         module = self._module
         refuse_accesses_left(module, _GLOBAL_OPS, set(self._moved))
-        namespace = vars(module)
-        back = [name for name in self._moved if name in namespace and namespace[name] is not self._served.get(name)]
+        namespace, served = vars(module), self._served
+        # In the dict only as the shared value that keep_in_dict put there (a global's value can be None too).
+        back = [name for name in self._moved if name in namespace and namespace[name] is not served.get(name, self)]
         if back:
             raise ShapeError(f"{module.__name__}: {', '.join(back)} came back into the module dict")
         self._verify_per_thread(module)
