@@ -182,7 +182,7 @@ here = torch.__version__
 found = [
     dict(
         name=fix.name, supported=fix.supports(here), versions=str(fix.versions),
-        releases=[fix.versions.first, fix.versions.last], cost=fix.hazard_is_cost,
+        releases=[fix.versions.first, fix.versions.last], cost=fix.hazard_is_cost, survey_rows=fix.survey_rows,
     )
     for fix in fixes.ALL
 ]
@@ -200,6 +200,10 @@ print(json.dumps({"torch": here, "fixes": found, "scenarios": scenarios, "trigge
 _declared = run_ok(_DECLARED, disable="1").json()
 TORCH_VERSION = Version(_declared["torch"])
 FIXES: list[dict] = _declared["fixes"]
+
+# The survey of torch's process state (docs/torch-N.M-globals.md) and the release it read, (N, M).
+SURVEY = next((Path(__file__).resolve().parent.parent / "docs").glob("torch-*-globals.md"))
+SURVEYED = tuple(int(part) for part in SURVEY.name.split("-")[1].split(".")[:2])
 SCENARIOS: list[dict] = _declared["scenarios"]
 TRIGGERS: tuple[str, ...] = tuple(_declared["triggers"])  # the parts of torch that fixes wait for
 

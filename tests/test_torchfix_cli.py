@@ -9,9 +9,10 @@ import pytest
 from conftest import (
     FIXES,
     HAS_H1,
+    SURVEY,
+    SURVEYED,
     TORCH_CRASHES_ON_CONCURRENT_MAKE_FX,
     TORCH_VERSION,
-    fix_here,
     run_ok,
     run_python,
     torchfix_cli,
@@ -97,18 +98,62 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.release_independent
-def test_the_table_of_fixes_and_the_readme_list_have_not_drifted():
-    ran = torchfix_cli("docs", "--check", "--doc", str(ROOT / "docs" / "fixes.md"), "--readme", str(ROOT / "README.md"))
+def test_the_table_of_fixes_the_readme_list_and_the_survey_verdicts_have_not_drifted():
+    paths = ("--doc", str(ROOT / "docs" / "fixes.md"), "--readme", str(ROOT / "README.md"), "--survey", str(SURVEY))
+    ran = torchfix_cli("docs", "--check", *paths)
     assert ran.returncode == 0, ran.stdout + ran.stderr + "\nregenerate them: python -m torchfix docs"
     listed = re.findall(r"^- \[`([a-z0-9-]+)`\]", (ROOT / "README.md").read_text(), re.M)
     assert listed == [fix["name"] for fix in FIXES], "the README lists every fix, in the order they apply"
 
 
-# The survey of torch's process-wide state (docs/torch-N.M-globals.md), the release it read, and the fixes its rows
-# say fixed a state: "fixed by `name`", "fixed (`name`)", "Fixed since by `name`" (a fix's name has a hyphen).
-SURVEY = next((ROOT / "docs").glob("torch-*-globals.md"))
-SURVEYED = tuple(map(int, re.match(r"torch-(\d+)\.(\d+)-", SURVEY.name).groups()))
-FIXED_BY = set(re.findall(r"fixed (?:since )?(?:by |\()`?([a-z0-9]+(?:-[a-z0-9]+)+)", SURVEY.read_text(), re.I))
+SURVEY_TEXT = """All rows (0: ...):
+
+| verdict | all rows | of the 162 `global` names | found by running | second reading |
+|---|---|---|---|---|
+| safe | 0 | 0 | 0 | 0 |
+
+## Table (grouped by module)
+
+| module | name | written by (function, how) | verdict | reason |
+|---|---|---|---|---|
+| `torch/a.py` | `flag` *(attr/class)* | f | leaks | read by every call |
+| `torch/a.py` | `other` | g | safe | under compile_lock |
+"""
+
+
+@pytest.mark.release_independent
+def test_a_fix_that_names_a_survey_row_writes_its_verdict_and_the_counts():
+    code = f"""
+import dataclasses, json
+from torchfix import _fixes_doc, fixes
+fix, found = fixes.ALL[0], {{}}
+for rows in [("torch/a.py: flag",), (), ("torch/a.py: gone",)]:
+    try:
+        found[repr(rows)] = _fixes_doc.render_survey({SURVEY_TEXT!r}, [dataclasses.replace(fix, survey_rows=rows)])
+    except ValueError as exc:
+        found[repr(rows)] = str(exc)
+try:
+    _fixes_doc.render_survey(open({str(SURVEY)!r}).read(), [])
+except ValueError as exc:
+    found["no fix"] = str(exc)
+print(json.dumps([fix.name, found]))
+"""
+    name, found = run_ok(code).json()
+    fixed = found["('torch/a.py: flag',)"]
+    assert f"| `torch/a.py` | `flag` *(attr/class)* | f | fixed by `{name}` | read by every call |" in fixed
+    assert "All rows (2: the 1 `global` names + 1 attribute/class/save-restore rows" in fixed
+    assert "| fixed by <fix> | 1 | 0 | 0 | 0 |" in fixed and "| leaks | 0 | 0 | 0 | 0 |" in fixed
+    assert "| safe | 1 | 1 | 0 | 0 |" in fixed
+    assert fixed.endswith(SURVEY_TEXT[SURVEY_TEXT.index("\n## Table") :].replace("| leaks |", f"| fixed by `{name}` |"))
+    # The verdict stays "fixed by" only while a fix names the row, and a fix names only rows the survey has.
+    assert "| leaks | 1 | 0 | 0 | 0 |" in found["()"]
+    assert "does not have: ['torch/a.py: gone']" in found["('torch/a.py: gone',)"]
+    assert "survey rows say 'fixed by' but no fix's survey_rows names them" in found["no fix"]
+
+
+# The fixes the survey's prose names (its triage's "fixed since by `name`"; a fix's name has a hyphen). Its tables'
+# verdicts "fixed by `name`" are written from the fixes' survey_rows (the drift test above).
+FIXED_BY = set(re.findall(r"fixed (?:since\**\s+)?by `?([a-z0-9]+(?:-[a-z0-9]+)+)", SURVEY.read_text(), re.I))
 
 
 @pytest.mark.release_independent
@@ -117,12 +162,12 @@ def test_every_fixed_by_of_the_survey_names_a_fix():
 
 
 @pytest.mark.release_independent
-def test_the_survey_says_what_each_fix_of_its_release_fixed():
+def test_each_fix_of_the_surveyed_release_names_the_survey_rows_it_fixes():
     # A fix of the surveyed release removes a leak of process state that the survey has a row of. A hazard that
     # only costs time (a compile done twice) is no state's leak.
-    of_the_release = [fix["name"] for fix in FIXES if fix["releases"][0] <= list(SURVEYED) <= fix["releases"][1]]
-    missing = [name for name in of_the_release if name not in FIXED_BY and not fix_here(name)["cost"]]
-    assert not missing, f"{SURVEY.name} says of no state that it is fixed by {missing}"
+    of_the_release = [fix for fix in FIXES if fix["releases"][0] <= list(SURVEYED) <= fix["releases"][1]]
+    missing = [fix["name"] for fix in of_the_release if not fix["survey_rows"] and not fix["cost"]]
+    assert not missing, f"these fixes name no row of {SURVEY.name} (survey_rows): {missing}"
 
 
 # conftest's flags that state a torch fact no fix declares, so written there by hand.

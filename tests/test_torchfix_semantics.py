@@ -1,8 +1,10 @@
 """What must stay true after patching: Dynamo still folds the predicates, checkpoint recompute sees
 the forward's flag (torch 2.14's behaviour), verify() catches a global access left behind."""
 
+import re
+
 import pytest
-from conftest import HAS_H1, HAS_H3, HAS_H5_FIX, TORCH_VERSION, needs_fix, run_ok
+from conftest import FIXES, HAS_H1, HAS_H3, HAS_H5_FIX, SURVEYED, TORCH_VERSION, needs_fix, run_ok
 
 
 def test_fullgraph_compile_folds_the_predicates(disabled):
@@ -407,7 +409,7 @@ for trigger in sorted({fix.trigger for fix in fixes.ALL}):  # the fixes that wai
         importlib.import_module(trigger)
 version, applied = str(torch.__version__), dict(_install._applied)
 declared = {  # the fixes this torch needs: what they make per thread, applied or not
-    (name.module, name.name): (name, fix in applied)
+    (name.module, name.name): (name, fix in applied, fix.name)
     for fix in fixes.ALL
     if fix in applied or (fix.supports(version) and fix.probe() is None)
     for patch in (applied.get(fix) or fix.patches(version))
@@ -428,7 +430,7 @@ def other_than(value):
     return (not value) if isinstance(value, bool) else value - 1 if isinstance(value, int) else object()
 
 found = {}
-for (module_name, dotted), (name, patched) in sorted(declared.items()):
+for (module_name, dotted), (name, patched, fix_name) in sorted(declared.items()):
     where, attr = owner(name)
     def seen():  # by torch's own code in this thread
         return name.seen_by_torch(importlib.import_module(module_name)) if patched else getattr(where, attr)
@@ -445,7 +447,11 @@ for (module_name, dotted), (name, patched) in sorted(declared.items()):
         delattr(where, attr)
     else:
         setattr(where, attr, original)
-    found[f"{module_name}.{dotted}"] = {"row": row, "written_unseen": bool(name.written_unseen) and patched}
+    file = importlib.import_module(module_name).__file__.rsplit("/torch/", 1)[1]
+    found[f"{module_name}.{dotted}"] = {
+        "row": row, "written_unseen": bool(name.written_unseen) and patched, "fix": fix_name, "file": f"torch/{file}",
+        "name": dotted,
+    }
 print(json.dumps(found))
 """
 
@@ -466,6 +472,20 @@ def test_every_per_thread_name_reads_writes_and_resets_in_one_thread_as_without_
             row, without = {**row, "write": None}, {**without, "write": None}
         assert row == without, (name, row, without)
     assert not counters & unseen
+    if TORCH_VERSION.release[:2] == SURVEYED:
+        # The survey's verdicts are written from the fixes' survey_rows: on the release it read, each name a fix
+        # makes per thread is in a row that fix names ("module[, module]: name[, name]").
+        rows = {fix["name"]: fix["survey_rows"] for fix in FIXES}
+        unnamed = [name for name, found in fixed.items() if not in_a_survey_row(found, rows[found["fix"]])]
+        assert not unnamed, f"no survey row that their fix names holds these: {unnamed}"
+
+
+def in_a_survey_row(found: dict, rows: list[str]) -> bool:
+    for row in rows:
+        modules, names = row.split(": ", 1)
+        if found["file"] in (m.strip() for m in modules.split(",")) and found["name"] in re.split(r"[,/ ]+", names):
+            return True
+    return False
 
 
 CUDA_GRAPH_COUNTERS = r"""

@@ -182,12 +182,13 @@ def _torch_wheel(version: str, store: Path) -> Path | None:
     return next(iter(sorted(store.glob(pattern))), None)
 
 
-def docs(doc: str, readme: str, check: bool) -> int:
-    """Write docs/fixes.md and the README's list of fixes (or, with ``check``, say which would change)."""
+def docs(doc: str, readme: str, survey: str, check: bool) -> int:
+    """Write docs/fixes.md, the README's list of fixes and the survey's verdicts (or, with ``check``, say which would
+    change)."""
     from . import _fixes_doc
 
     try:
-        differ = _fixes_doc.write(Path(doc), Path(readme) if readme else None, check)
+        differ = _fixes_doc.write(Path(doc), Path(readme) if readme else None, check, Path(survey) if survey else None)
     except (OSError, ValueError) as exc:
         print(f"python -m torchfix docs: {exc}", file=sys.stderr)
         return 2
@@ -249,10 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     patches_parser.add_argument("--release", action="append", default=[], help="add this release (repeatable)")
     patches_parser.add_argument("--wheels", help="where the wheels are kept (default: DIRECTORY/.wheels)")
     docs_parser = commands.add_parser(
-        "docs", help="write the table of fixes (docs/fixes.md) and the README's list from the fixes' declarations"
+        "docs",
+        help="write the table of fixes (docs/fixes.md), the README's list and the survey's verdicts from the fixes' "
+        "declarations",
     )
     docs_parser.add_argument("--doc", default="docs/fixes.md", help="the table's file (default: docs/fixes.md)")
     docs_parser.add_argument("--readme", default="README.md", help="the README whose list to rewrite ('' for none)")
+    docs_parser.add_argument(
+        "--survey",
+        default="docs/torch-2.15-globals.md",
+        help="the survey of torch's state whose verdicts and counts to rewrite ('' for none)",
+    )
     docs_parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file would change")
     watch_parser = commands.add_parser(
         "watch", help="run a program and report the process state one thread changed where other threads saw it"
@@ -278,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "patches":
         return patches(args.directory, args.release, args.wheels)
     if args.command == "docs":
-        return docs(args.doc, args.readme, args.check)
+        return docs(args.doc, args.readme, args.survey, args.check)
     if args.command == "run":
         return run(args.target)
     if args.command == "watch":

@@ -182,6 +182,9 @@ class Fix:
     releases_note: str = ""  # why ``versions`` is what it is, e.g. 'before 2.3: "not needed"'
     caveats: str = ""  # what the fix changes beyond removing the hazard, that a user may notice
     soak: SoakCheck | None = None  # what the soak does and looks for about the hazard (see SoakCheck)
+    # The rows of the survey of torch's process state (docs/torch-2.15-globals.md) whose state it fixes, each as
+    # "module: name" (the row's first two cells without backticks): `python -m torchfix docs` writes their verdict.
+    survey_rows: tuple[str, ...] = ()
 
     def supports(self, torch_version: str) -> bool:
         return torch_version in self.versions

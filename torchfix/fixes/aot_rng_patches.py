@@ -169,4 +169,8 @@ FIX = Fix(
         "order. Found by `python -m torchfix watch`"
     ),
     releases_note='before 2.1 no such patch: "not needed"',
+    survey_rows=(
+        "torch/_functorch/aot_autograd.py, _aot_autograd/graph_capture_wrappers.py: torch.cuda.set_rng_state "
+        "/ get_rng_state",
+    ),
 )

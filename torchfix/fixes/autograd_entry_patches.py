@@ -309,4 +309,5 @@ FIX = Fix(
         "a device thread) runs torch's own function there, without the wrapper's stack-trace hooks (debug "
         "metadata only)."
     ),
+    survey_rows=("torch/compiler/__init__.py: torch.autograd.grad / torch.autograd(.graph)._engine_run_backward",),
 )

@@ -138,4 +138,5 @@ FIX = Fix(
         "`force_non_lazy_backward_lowering`, made the default for every thread): backward graphs are compiled up "
         "front, also those never used."
     ),
+    survey_rows=("torch/_functorch/_aot_autograd/runtime_wrappers.py: CompiledFunction.compiled_bw",),
 )

@@ -98,4 +98,5 @@ FIX = Fix(
         " for the first time meanwhile (the 10-minute soak on 2.13: once); `get_cached_ops()` now returns a copy"
     ),
     releases_note='no such set before 2.1: "not needed"',
+    survey_rows=("torch/_ops.py: cached_ops",),
 )

@@ -106,4 +106,8 @@ FIX = moved_globals_fix(
         "threads run meanwhile; enter it in each thread that needs it."
     ),
     seen_in_backward=True,
+    survey_rows=(
+        "torch/utils/checkpoint.py: _checkpoint_debug_enabled",
+        "torch/utils/checkpoint.py: _enable_checkpoint_early_stop",
+    ),
 )

@@ -117,4 +117,5 @@ FIX = Fix(
         actions=(SoakAction("stance force_eager", 1, soak_stance),),
         leak_probe=soak_leak_probe,
     ),
+    survey_rows=("torch/_dynamo/eval_frame.py: _stance",),
 )

@@ -141,4 +141,8 @@ FIX = Fix(
             shows="the one compiled meanwhile aten.mul",
         ),
     ),
+    survey_rows=(
+        "torch/_dynamo/convert_frame.py: (a compile's reads of the SDPA switches: _fused_sdp_choice, folded "
+        "*_sdp_enabled())",
+    ),
 )

@@ -236,4 +236,10 @@ FIX = Fix(
         "can still fail torch's nesting check). The slot is tracked from torch's own writes: one made directly with "
         "`set_autograd_compiler` is not seen."
     ),
+    survey_rows=(
+        "torch/_dynamo/compiled_autograd.py: compiled_autograd_enabled",
+        "torch/_dynamo/compiled_autograd.py: C++ compiled-autograd compiler slot",
+        "torch/_dynamo/compiled_autograd.py: active_disable_ctx, compiled_autograd_enabled, and the C++ "
+        "compiler slot (set_autograd_compiler)",
+    ),
 )

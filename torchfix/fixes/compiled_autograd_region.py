@@ -174,4 +174,5 @@ FIX = Fix(
         "cached graph keeps a closure made by the file it patches), so graphs compiled before are compiled again "
         "at their next backward."
     ),
+    survey_rows=("torch/_dynamo/compiled_autograd.py: in_compiled_autograd_region",),
 )

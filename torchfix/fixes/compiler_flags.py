@@ -120,4 +120,10 @@ FIX = Fix(
     ),
     releases_note='no such flags before 2.3: "not needed"',
     soak=SoakCheck(leak_probe=soak_leak_probe),
+    survey_rows=(
+        "torch/_export/utils.py: torch.compiler._is_compiling_flag / _is_exporting_flag (attr writes)",
+        "torch/compiler/__init__.py: _is_compiling_flag",
+        "torch/compiler/__init__.py: _is_exporting_flag",
+        "torch/compiler/__init__.py: _is_non_strict_tracing_flag",
+    ),
 )

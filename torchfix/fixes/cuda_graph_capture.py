@@ -233,4 +233,5 @@ FIX = Fix(
         'capture with `capture_error_mode="thread_local"`, as CUDA graph trees do. A capture whose `__enter__` '
         "raised gives the lock back when its `torch.cuda.graph` object is collected."
     ),
+    survey_rows=("torch/cuda/graphs.py: graph.default_capture_stream",),
 )

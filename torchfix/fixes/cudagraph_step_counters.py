@@ -300,4 +300,8 @@ FIX = Fix(
         "Python < 3.10 and free-threaded builds, where `+= 1` from several threads loses updates, the trees read "
         "their thread's own count only: a direct write does not reach them there."
     ),
+    survey_rows=(
+        "torch/_dynamo/mutation_guard.py: GenerationTracker.generation",
+        "torch/_inductor/cudagraph_trees.py: MarkStepBox.mark_step_counter",
+    ),
 )

@@ -287,4 +287,5 @@ FIX = Fix(
         "without this (2 of 6, 1 of 12 and 0 of 60 in three batches, the first two on a busier machine), and in 0"
         " of 72 with it; the self-test shows the trees still in the stash at the thread's end, every run."
     ),
+    survey_rows=("torch/_inductor/cudagraph_trees.py: local.tree_manager_containers / tree_manager_locks",),
 )

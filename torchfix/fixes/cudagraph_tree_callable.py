@@ -130,4 +130,5 @@ FIX = Fix(
         '"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run": threads replay '
         "each other's graphs, and from 2.13 every thread's backward lands in the first thread's tree"
     ),
+    survey_rows=("torch/_inductor/compile_fx.py: cudagraphify's callable",),
 )

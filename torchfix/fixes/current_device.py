@@ -418,4 +418,5 @@ FIX = Fix(
     "torch.device is False), and each compiled "
     "call's default-device guard calls its __eq__ (+0.4 us a call, on a loaded CPU machine); a default device set "
     "before Dynamo is imported becomes the importing thread's own",
+    survey_rows=("torch/utils/_device.py: CURRENT_DEVICE",),
 )

@@ -242,4 +242,9 @@ FIX = Fix(
     "override a python impl for DispatchKey...', graphs unlike one thread's, gradients lost (2.13, 3 of 3 runs)",
     releases_note='before 2.5: "not needed" (no such override); 2.5 overrides only aten.to\'s variants and the ops '
     "a caller preserves, and has no scenario (not measured); 2.6 - 2.15 the same function, 2.8+ word for word",
+    survey_rows=(
+        "torch/export/exported_program.py: OpOverload.py_kernels of the CompositeImplicitAutograd ops",
+        "torch/_ops.py: OpOverload._dispatch_cache",
+        "torch/_subclasses/fake_impls.py: op_implementations_dict / op_implementations_checks",
+    ),
 )

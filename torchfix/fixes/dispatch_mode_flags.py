@@ -168,4 +168,8 @@ FIX = moved_globals_fix(
     releases_note="before 2.4: no such flag; the second and third flags from 2.5 and 2.9, moved where a release "
     "has them",
     seen_in_backward=True,
+    survey_rows=(
+        "torch/utils/_python_dispatch.py: _is_in_torch_dispatch_mode, _is_in_non_infra_torch_dispatch_mode, "
+        "_is_in_any_mode_without_ignore_compile_internals",
+    ),
 )

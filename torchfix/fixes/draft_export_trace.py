@@ -159,4 +159,5 @@ FIX = Fix(
         "handler stay process-wide, by torch's design)"
     ),
     releases_note='no draft export before 2.6: "not needed"',
+    survey_rows=("torch/export/_draft_export.py: torch._logging._internal.GET_DTRACE_STRUCTURED",),
 )

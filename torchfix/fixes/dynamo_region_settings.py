@@ -169,4 +169,8 @@ FIX = moved_globals_fix(
     ),
     releases_note='no such settings before 2.9: "not needed"; `override_cudagraphs` acts at run time from 2.14',
     seen_in_backward=True,
+    survey_rows=(
+        "torch/_dynamo/utils.py: _error_on_graph_break",
+        "torch/_dynamo/utils.py: _cudagraph_override",
+    ),
 )

@@ -311,4 +311,16 @@ FIX = Fix(
     releases_note=(
         'before 2.9 every Dynamo trace holds `compile_lock`, so no two use this state at once: "not needed"'
     ),
+    survey_rows=(
+        "torch/_dynamo/convert_frame.py: initial_global_state",
+        "torch/_dynamo/trace_rules.py: _force_inline_flag",
+        "torch/_dynamo/variables/builder.py: _DYNAMIC_SOURCES",
+        "torch/_dynamo/variables/builder.py: _DYNAMIC_SOURCES_CONFIG_HASH",
+        "torch/_dynamo/variables/builder.py: _UNBACKED_SOURCES",
+        "torch/_dynamo/variables/builder.py: _UNBACKED_SOURCES_CONFIG_HASH",
+        "torch/_dynamo/variables/builder.py: _STATIC_SOURCES",
+        "torch/_dynamo/variables/builder.py: _STATIC_SOURCES_CONFIG_HASH",
+        "torch/_dynamo/variables/builder.py: _DYNAMIC_VALUES",
+        "torch/_dynamo/variables/builder.py: _DYNAMIC_VALUES_CONFIG_HASH",
+    ),
 )

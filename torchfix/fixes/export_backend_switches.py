@@ -205,4 +205,7 @@ FIX = Fix(
             crashes=releases("2.10", "2.11"),
         ),
     ),
+    survey_rows=(
+        "torch/export/_trace.py: _ignore_backend_decomps (C++ switches of torch.backends.mkldnn / nnpack / cudnn)",
+    ),
 )

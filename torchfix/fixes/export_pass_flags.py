@@ -136,4 +136,11 @@ FIX = Fix(
         "`export-pass-flags` applies when `torch.export._trace` is first imported (every export imports it): in a"
         " program that only loads and unflattens exported programs, `_disable_interpreter()` stays process-wide."
     ),
+    survey_rows=(
+        "torch/_export/passes/replace_quantized_ops_with_standard_ops_pass.py: _SCALE",
+        "torch/_export/passes/replace_quantized_ops_with_standard_ops_pass.py: _ZERO_POINT",
+        "torch/_export/passes/replace_quantized_ops_with_standard_ops_pass.py: _INPUT_Q_DTYPE",
+        "torch/_export/utils.py: _DISABLE_ATEN_TO_ASSERTION_PASS",
+        "torch/export/unflatten.py: RUN_WITH_INTERPRETER",
+    ),
 )

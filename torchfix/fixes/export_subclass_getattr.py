@@ -142,4 +142,5 @@ FIX = Fix(
         "before; the class's own method comes back once no thread holds the patch, where torch left an explicit "
         "copy in the class."
     ),
+    survey_rows=("torch/export/_trace.py: tensor-subclass __getattribute__",),
 )

@@ -83,4 +83,8 @@ FIX = moved_globals_fix(
     releases_note='before 2.3: "not needed"',
     seen_in_backward=True,
     soak=SoakCheck(errors=("_EXPORT_MODULE_HIERARCHY",), leak_probe=soak_leak_probe),
+    survey_rows=(
+        "torch/export/_trace.py: _EXPORT_FLAGS",
+        "torch/export/_trace.py: _EXPORT_MODULE_HIERARCHY",
+    ),
 )

@@ -239,4 +239,5 @@ FIX = Fix(
     releases_note='before 2.9: "not needed" (every trace holds compile_lock); 2.9 - 2.11: only the numpy conversion '
     "of an unlocked trace reads it (read, not reproduced; aot_compile is off by default); 2.12 - 2.15: aot_compile "
     "and strict export use it without the lock",
+    survey_rows=("torch/_dynamo/variables/torch_function.py: torch_function_mode_stack_state_mgr",),
 )

@@ -253,4 +253,5 @@ FIX = Fix(
         errors=("graph code", "cannot access local variable", "referenced before assignment"),
         actions=(SoakAction("graph code", 2, soak_graph_code),),
     ),
+    survey_rows=("torch/fx/graph.py: Node._repr_fn of the graph's nodes",),
 )

@@ -174,4 +174,13 @@ FIX = Fix(
         actions=(SoakAction("node meta", 2, soak_node_meta),),
         leak_probe=soak_leak_probe,
     ),
+    survey_rows=(
+        "torch/_higher_order_ops/flex_attention.py: current_meta (imported by name)",
+        "torch/fx/traceback.py: current_meta",
+        "torch/fx/traceback.py: should_preserve_node_meta",
+        "torch/fx/traceback.py: _should_preserve_node_meta",
+        "torch/fx/traceback.py: current_replay_node",
+        "torch/_functorch/_aot_autograd/graph_capture_wrappers.py, fx/experimental/proxy_tensor.py: "
+        "fx_traceback.current_meta (item writes)",
+    ),
 )

@@ -120,4 +120,5 @@ FIX = Fix(
         "While any thread holds a printer, the class attribute holds the dispatcher, a Python function that calls "
         "the calling thread's printer or the class's own."
     ),
+    survey_rows=("torch/fx/graph.py: CodeGen._sym_repr",),
 )

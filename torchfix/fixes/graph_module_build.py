@@ -235,4 +235,9 @@ FIX = Fix(
         "fix applied (or after `uninstall()`) keeps torch's code, which still patches that name for the whole "
         "process."
     ),
+    survey_rows=(
+        "torch/_dynamo/convert_frame.py: torch.fx.graph_module._forward_from_src",
+        "torch/fx/_lazy_graph_module.py: _force_skip_lazy_graph_module_flag",
+        "torch/fx/_lazy_graph_module.py: _use_lazy_graph_module_flag",
+    ),
 )

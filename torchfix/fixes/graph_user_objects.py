@@ -200,4 +200,9 @@ FIX = Fix(
         "more (reads of the per-thread table; 2.15: one), and from 2.14 every compiled training forward one more "
         "(the snapshot)."
     ),
+    survey_rows=(
+        "torch/_dynamo/graph_bytecode_inputs.py: index_to_external_object_weakref",
+        "torch/_dynamo/graph_bytecode_inputs.py: index_to_bytecode_constructor",
+        "torch/_dynamo/graph_bytecode_inputs.py: keep_alive",
+    ),
 )

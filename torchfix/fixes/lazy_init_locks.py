@@ -240,4 +240,10 @@ FIX = Fix(
         "a lock (a per-thread counter would be wrong: the indices are baked into graphs)"
     ),
     releases_note='the index from 2.12; 2.2 – 2.8 make the lock at import: "not needed"',
+    survey_rows=(
+        "torch/_functorch/predispatch.py: DECOMPOSITIONS_LOADED",
+        "torch/_functorch/predispatch.py: DECOMPOSITIONS_LOCK",
+        "torch/_functorch/predispatch.py: VMAP_DECOMPOSITIONS_LIB",
+        "torch/_higher_order_ops/invoke_leaf_function.py: _makefx_next_index",
+    ),
 )

@@ -263,4 +263,8 @@ FIX = Fix(
         " a direct read of `LocalMapWrappedHigherOrderVariable._enabled` in a thread outside `enable()` sees True "
         "while another thread is inside, as without torchfix (Dynamo's own read is the thread's)."
     ),
+    survey_rows=(
+        "torch/_dynamo/variables/higher_order_ops.py: LocalMapWrappedHigherOrderVariable._enabled",
+        "torch/_higher_order_ops/local_map.py: _DEFER_INLINING",
+    ),
 )

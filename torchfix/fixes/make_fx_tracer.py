@@ -93,4 +93,5 @@ FIX = moved_globals_fix(
     ),
     releases_note='before 2.4: "not needed"',
     seen_in_backward=True,
+    survey_rows=("torch/fx/experimental/proxy_tensor.py: _CURRENT_MAKE_FX_TRACER",),
 )

@@ -149,4 +149,5 @@ FIX = Fix(
     releases_note='2.2 - 2.15 (no jagged nested tensors before 2.2: "not needed")',
     caveats="the counter is bumped before the nested int is made (an id is spent if making it raises); two threads "
     "making nested tensors of one offsets tensor at once can still make two nested ints for it (torch raises later)",
+    survey_rows=("torch/nested/_internal/nested_tensor.py: _tensor_id_counter",),
 )

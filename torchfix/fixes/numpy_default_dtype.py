@@ -167,4 +167,5 @@ FIX = Fix(
     releases_note='before 2.2: "not needed" (2.1 converts otherwise); 2.2 - 2.15 the same lines',
     caveats="out of reach: while a thread converts, every thread's default dtype is NumPy's (float64), as in "
     "torch; a default dtype set by another thread during a conversion now stays",
+    survey_rows=("torch/_numpy/_util.py: the default dtype (C++ process setting)",),
 )

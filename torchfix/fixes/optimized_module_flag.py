@@ -106,4 +106,5 @@ FIX = moved_globals_fix(
         "3.11 and 3.12 alike, counted on 2.13)"
     ),
     releases_note='before 2.10: "not needed"',
+    survey_rows=("torch/_dynamo/eval_frame.py: _in_optimized_module",),
 )

@@ -104,4 +104,5 @@ FIX = moved_globals_fix(
         "none with it); a `cached()` that ends while another thread's is open drops that one's cache"
     ),
     releases_note="every release, 2.0 - 2.15: the same two globals",
+    survey_rows=("torch/nn/utils/parametrize.py: _cache_enabled, _cache",),
 )

@@ -81,4 +81,5 @@ FIX = moved_globals_fix(
         "`make_fx(pre_dispatch=True)` uses the stack"
     ),
     seen_in_backward=True,
+    survey_rows=("torch/_ops.py: _mode_stack_state_for_pre_dispatch",),
 )

@@ -209,4 +209,8 @@ FIX = Fix(
         "torch 2.13 (torch's thread-local stash), before that torch's originals (a torchbind call in a traced "
         "backward, say)."
     ),
+    survey_rows=(
+        "torch/_higher_order_ops/torchbind.py: torch.ScriptMethod.__call__ / KNOWN_TYPES",
+        "torch/fx/experimental/meta_tracer.py: torch.<constructor fns>",
+    ),
 )

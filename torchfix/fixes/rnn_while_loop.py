@@ -237,4 +237,8 @@ FIX = Fix(
     caveats="while a thread is inside, other threads that read the post-autograd decomposition table itself "
     "(get_decompositions([aten.lstm])) get the while_loop function, as in torch; a handler the Python dispatcher "
     "caches for the op inside the context serves every thread, after it too, as torch caches it",
+    survey_rows=(
+        "torch/export/_patches.py: aten.lstm/gru py_kernels[CompositeImplicitAutograd] and "
+        'global_decomposition_table["post_autograd"]',
+    ),
 )

@@ -191,4 +191,5 @@ FIX = Fix(
         "failed (and was caught) inside a context, the outer context's graphs still run backward, where torch's "
         "failed entry cleared the process flag under them."
     ),
+    survey_rows=("torch/autograd/graph.py: _allow_mutation_on_saved_tensors_enabled",),
 )

@@ -227,4 +227,7 @@ FIX = Fix(
     "available kernel (torch 2.13, 2.14.1; with the fix too: one C++ setting)",
     releases_note='2.3 - 2.15 (no sdpa_kernel before 2.3: "not needed")',
     scenarios=(Scenario(sdpa_kernels_elsewhere, releases("2.3"), needs="sdpa_kernel (2.3+)", shows="left changed"),),
+    survey_rows=(
+        "torch/nn/attention/__init__.py: sdpa_kernel (C++ SDPA switches _set_sdp_use_*, _set_sdp_priority_order)",
+    ),
 )

@@ -164,4 +164,5 @@ FIX = Fix(
         "there a trace through the dispatcher still has one frame of torchfix's more. Filters with a list of file "
         "names of their own (`Tracer._find_user_frame`, unused by torch's own tracers in 2.13) are left as they are."
     ),
+    survey_rows=("torch/_dynamo/guards.py: uninteresting_files()",),
 )

@@ -311,4 +311,8 @@ FIX = Fix(
         ),
         leak_probe=soak_leak_probe,
     ),
+    survey_rows=(
+        "torch/fx/_symbolic_trace.py: CURRENT_PATCHER",
+        "torch/fx/_symbolic_trace.py: nn.Module.__call__/__getattr__ and autowrapped fns",
+    ),
 )

@@ -494,12 +494,13 @@ def moved_globals_fix(
     trigger: str = "torch",
     scenarios: tuple[Scenario, ...] = (),
     soak: SoakCheck | None = None,
+    survey_rows: tuple[str, ...] = (),
     **facts: str,
 ) -> Fix:
     """A fix that moves globals of one torch module to per-thread storage (:class:`ThreadLocalGlobals`; ``optional``,
     ``own``, ``seen_in_backward`` and ``set_often`` are its), and does nothing else: from torch ``first`` (before it,
     the first of ``moved`` does not exist) through the newest checked release. ``order``, ``facts`` (``symptom`` and
-    the other texts of the table of fixes), ``soak`` and the rest are :class:`Fix`'s."""
+    the other texts of the table of fixes), ``soak``, ``survey_rows`` and the rest are :class:`Fix`'s."""
     probed = next(iter(moved))
     return Fix(
         name=name,
@@ -522,6 +523,7 @@ def moved_globals_fix(
         trigger=trigger,
         scenarios=scenarios,
         soak=soak,
+        survey_rows=survey_rows,
         **facts,
     )
 
