@@ -648,10 +648,12 @@ class ThreadLocalGlobals(SourcePatch):
         moved = ", ".join(f"{name} -> {self.holder}.{attr}" for name, attr in self.attrs.items())
         where = f" ({', '.join(sorted(self.optional))} only where the file defines them)" if self.optional else ""
         fast = "; a read tests `<name>_shared` first, the value every thread shares while none has its own"
+        in_dict = ", which the module's dict then holds instead of the __getattr__"  # keep_in_dict
         return (
             f"{self.relpath}: module globals moved to per-thread storage ({moved}){where}; "
             f"`{self.module_name}.<name>` read from other modules goes through a module __getattr__"
             + (fast if self.seen_in_backward else "")
+            + (in_dict if self.seen_in_backward and not self.set_often else "")
         )
 
     def _drop_declaration(self, source: str, decl: ast.Global, moved: dict[str, str]) -> Edit:
