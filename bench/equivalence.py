@@ -147,8 +147,14 @@ for side in ("on", "off"):
 """
 
 
+# What only the side with torchfix of the API corpus reports, beside its cases: the fixes whose patched code each case
+# ran (measured: bench/equivalence_apis.py's main). Not compared.
+FIXES_RUN = "fixes run"
+
+
 def _differences(what: str, preload: str, code: str, args: list[str], timeout: float, prefix: str = "") -> tuple:
-    """Both sides of a corpus (SIDES): what the side without torchfix saw, and each case that differs with it."""
+    """Both sides of a corpus (SIDES): what the side without torchfix saw, what only the side with it reports
+    (``FIXES_RUN``), and each case that differs between them."""
     with tempfile.TemporaryDirectory() as folder:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
         # One hash seed (some samples iterate a set of strings: meshgrid's indexing), one compile thread, and
@@ -159,21 +165,31 @@ def _differences(what: str, preload: str, code: str, args: list[str], timeout: f
         if proc.returncode != 0:
             raise RuntimeError(f"the {what} run failed:\n{proc.stderr[-3000:]}")
         with_fix, without = (json.loads((Path(folder) / f"{side}.json").read_text()) for side in ("on", "off"))
+    reported = with_fix.pop(FIXES_RUN, {})
     differ = {
         prefix + name: {"with torchfix": with_fix.get(name), "without": without.get(name)}
         for name in sorted(set(with_fix) | set(without))
         if with_fix.get(name) != without.get(name)
     }
-    return without, differ
+    return without, reported, differ
+
+
+def _triggers() -> list[str]:
+    """The parts of torch that fixes wait for (``Fix.trigger``), read in an interpreter of its own: this one may import
+    torch for another benchmark, which torchfix would then patch."""
+    code = "from torchfix import fixes\nprint(*sorted({entry.trigger for entry in fixes.ROSTER}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
 
 
 def run(quick: bool = False, every: int | None = None, timeout: float = 3600) -> dict:
     """Both runs and their differences, per operator."""
     every = every or (25 if quick else 1)
     ops = "torch.testing._internal.common_methods_invocations"
-    without, differ = _differences("OpInfo corpus", ops, CORPUS, [str(every)], timeout)
-    apis_main = "import sys\nfrom bench.equivalence_apis import main\nmain(sys.argv[1])"
-    apis, api_differ = _differences("API corpus", "bench.equivalence_apis", apis_main, [], timeout, prefix="api: ")
+    without, _, differ = _differences("OpInfo corpus", ops, CORPUS, [str(every)], timeout)
+    apis_main = "import sys\nfrom bench.equivalence_apis import main\nmain(sys.argv[1], sys.argv[2:])"
+    apis, fixes_run, api_differ = _differences(
+        "API corpus", "bench.equivalence_apis", apis_main, _triggers(), timeout, prefix="api: "
+    )
     cases = [c for c in without.values() if c and "sample" not in c]
     return {
         "torch": importlib.metadata.version("torch"),
@@ -181,6 +197,9 @@ def run(quick: bool = False, every: int | None = None, timeout: float = 3600) ->
         "compiled": sum(1 for c in cases if not str(c.get("compile")).startswith(("Unsupported", "RuntimeError"))),
         "graphs": sum(len(c.get("graphs", [])) for c in cases),
         "api_cases": sorted(apis),
+        # per case, the fixes whose patched code it ran; and the fixes applied here that have any
+        "api_fixes_run": fixes_run.get("cases", {}),
+        "fixes_with_patched_code": fixes_run.get("fixes with patched code", []),
         "differences": differ | api_differ,
     }
 
@@ -191,5 +210,9 @@ def table(result: dict) -> str:
         f"API cases: {len(result['api_cases'])} ({', '.join(result['api_cases'])})",
         f"differences with torchfix and without: {len(result['differences'])}",
     ]
+    ran = {name for names in result["api_fixes_run"].values() for name in names}
+    with_code = result["fixes_with_patched_code"]
+    not_run = ", ".join(sorted(set(with_code) - ran)) or "none"
+    lines.insert(2, f"fixes whose patched code the API cases ran: {len(ran)} of {len(with_code)} (not run: {not_run})")
     lines += [f"  {name}" for name in result["differences"]]
     return "\n".join(lines)

@@ -3,14 +3,16 @@
 ``main(OUT.json)`` runs every case in this interpreter and writes what each case observed: outputs, graph code, graph
 breaks, recompiles and their reasons, the guards Dynamo wrote, and error messages. ``bench/equivalence.py`` runs it
 twice, forked from one interpreter that imported this module: with torchfix imported (after torch, as a user may)
-and without, and compares case by case. Each of ``CASES`` names the fixes whose patched
-code it goes through; a test checks that every fix is named by a case (the CUDA-only ones by the case that runs on
-CUDA only).
+and without, and compares case by case. Both sides run each case under ``cProfile``; the side with torchfix also
+reports which fixes' patched code each case called (``Patch.patched_code``), and a test checks that every fix applied
+on the suite's torch runs in some case (but the fixes that declare ``needs_cuda``, on a machine without CUDA).
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
+import importlib
 import io
 import json
 import logging
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from torch._dynamo.utils import counters
+
+from bench.equivalence import FIXES_RUN
 
 warnings.simplefilter("ignore")
 
@@ -472,67 +476,90 @@ def cuda_graphs(seen: _Seen) -> None:
         compiled.zero_grad(set_to_none=True)  # the gradients are the graph's outputs: the next replay reuses them
 
 
+def non_strict_backward(seen: _Seen) -> None:
+    """A backward traced by make_fx inside torch.compiler._patch_engine_backward() (2.13+; before it,
+    _patch_autograd_grad()) and _non_strict_tracing_context(), as non-strict tracers (torchtitan's) enter them."""
+    compiler = torch.compiler
+    patch = getattr(compiler, "_patch_engine_backward", None) or getattr(compiler, "_patch_autograd_grad", None)
+    if patch is None:
+        seen["skipped"] = "no autograd entry patches before torch 2.12"
+        return
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+
+    def step(x: torch.Tensor) -> tuple:
+        loss = model(x).pow(2).sum()
+        return torch.autograd.grad(loss, [model.weight, model.bias])
+
+    with compiler._non_strict_tracing_context(), patch():
+        graph = make_fx(step)(torch.ones(3, 4))
+    seen["graph"] = graph.code
+    seen.tensor("grads", graph(torch.ones(3, 4)))
+    seen.tensor("eager", step(torch.ones(3, 4)))
+
+
 @dataclass(frozen=True)
 class Case:
     run: Callable[[_Seen], None]
-    fixes: tuple[str, ...]  # the fixes whose patched code it runs through
-    cuda: bool = False
+    cuda: bool = False  # runs on CUDA only
 
 
 CASES = [
-    Case(
-        compile_function,
-        ("fx-tracing-flag", "compiler-flags", "compile-cache-recheck", "guarded-backends", "dynamo-trace-state")
-        + ("graph-module-build", "fx-codegen-names", "stack-filters", "cached-ops"),
-    ),
-    Case(
-        compile_training_step,
-        ("backward-compile-deadlock", "optimized-module-flag", "autograd-entry-patches", "aot-rng-patches")
-        + ("lazy-init-locks",),
-    ),
-    Case(compile_inductor, ("backward-compile-deadlock", "graph-module-build")),
-    Case(stance_and_disable, ("compile-stance", "compile-cache-recheck", "dynamo-region-settings")),
-    Case(symbolic_trace, ("trace-patch-isolation", "fx-node-meta", "stack-filters", "process-wide-patches")),
-    Case(make_fx_modes, ("make-fx-tracer", "pre-dispatch-modes", "fake-impl-ctx", "fx-tracing-flag", "fx-sym-repr")),
-    Case(
-        export_program,
-        ("export-trace-state", "export-builtins", "export-pass-flags", "export-subclass-getattr")
-        + ("export-decomp-kernels", "export-backend-switches", "export-save", "export-deserializer")
-        + ("draft-export-trace",),
-    ),
-    Case(
-        attention_and_modes,
-        ("sdpa-kernel-switches", "compile-switch-view", "function-mode-stack") + ("dispatch-mode-flags",),
-    ),
-    Case(
-        autograd_apis,
-        ("checkpoint-flags", "saved-tensor-mutation", "compiled-autograd-region", "compiled-autograd-compiler"),
-    ),
-    Case(local_map_switches, ("local-map-flags",)),
-    Case(rnn_while_loop, ("export-rnn-while-loop",)),
-    Case(parametrize_cached, ("parametrize-cached",)),
-    Case(numpy_conversion, ("numpy-default-dtype",)),
-    Case(default_device, ("current-device",)),
-    Case(nested_ints, ("nested-int-ids",)),
-    Case(
-        cuda_graphs,
-        ("cuda-graph-capture", "cudagraph-step-counters", "cudagraph-thread-trees", "cudagraph-tree-callable")
-        + ("graph-user-objects",),
-        cuda=True,
-    ),
+    Case(compile_function),
+    Case(compile_training_step),
+    Case(compile_inductor),
+    Case(stance_and_disable),
+    Case(symbolic_trace),
+    Case(make_fx_modes),
+    Case(export_program),
+    Case(attention_and_modes),
+    Case(autograd_apis),
+    Case(local_map_switches),
+    Case(rnn_while_loop),
+    Case(parametrize_cached),
+    Case(non_strict_backward),
+    Case(numpy_conversion),
+    Case(default_device),
+    Case(nested_ints),
+    Case(cuda_graphs, cuda=True),
 ]
 
 
-def main(out: str) -> None:
+def _fixes_by_code() -> dict:
+    """The applied fixes by the code objects that run their patched code; empty on the side without torchfix."""
+    import sys
+
+    installed = sys.modules.get("torchfix._install")
+    return installed.fixes_by_code() if installed is not None else {}
+
+
+def main(out: str, triggers: list[str]) -> None:
+    """Import ``triggers`` (the parts of torch the fixes wait for: every fix this torch needs then applies on the side
+    with torchfix), then run every case, each under ``cProfile`` on both sides (so that they differ by torchfix
+    alone); on the side with torchfix, also write under ``FIXES_RUN`` which fixes' patched code each case ran and
+    which fixes have any."""
+    for trigger in triggers:
+        with contextlib.suppress(ImportError):  # a part of torch this release lacks
+            importlib.import_module(trigger)
     results: dict[str, dict] = {}
+    ran: dict[str, list[str]] = {}
     for case in CASES:
         if case.cuda and not torch.cuda.is_available():
             continue
-        seen = _Seen()
+        seen, profiler = _Seen(), cProfile.Profile()
         try:
-            case.run(seen)
+            with profiler:
+                case.run(seen)
         except Exception as exc:
             seen["error"] = _plain(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         results[case.run.__name__] = seen.found
+        fixes_by_code = _fixes_by_code()  # after the case: a lazily imported module's patched code is new code
+        called = {entry.code for entry in profiler.getstats()}
+        ran[case.run.__name__] = sorted({name for code in called for name in fixes_by_code.get(code, ())})
+    if fixes_by_code:
+        with_code = sorted({name for names in fixes_by_code.values() for name in names})
+        results[FIXES_RUN] = {"cases": ran, "fixes with patched code": with_code}
     with open(out, "w") as f:
         json.dump(results, f, default=repr)

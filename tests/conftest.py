@@ -183,6 +183,7 @@ found = [
     dict(
         name=fix.name, supported=fix.supports(here), versions=str(fix.versions),
         releases=[fix.versions.first, fix.versions.last], cost=fix.hazard_is_cost, survey_rows=fix.survey_rows,
+        needs_cuda=fix.needs_cuda,
     )
     for fix in fixes.ALL
 ]

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import FIXES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -155,8 +156,9 @@ def test_cost_refuses_a_fix_name_it_does_not_know_before_any_run(tmp_path):
 
 def test_one_thread_sees_torch_as_without_torchfix(tmp_path):
     """The equivalence run, short form: every 25th operator of torch's OpInfo database through torch.compile
-    (aot_eager) and make_fx, with torchfix and without; no difference in outputs, graphs, graph breaks,
-    recompiles or errors (``python -m bench equivalence`` runs all of them)."""
+    (aot_eager) and make_fx, and every API case, with torchfix and without; no difference in outputs, graphs, graph
+    breaks, recompiles or errors (``python -m bench equivalence`` runs all the operators), and every fix's patched
+    code among what the cases ran."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "equivalence", "--quick", "--out", str(tmp_path)],
         cwd=REPO,
@@ -168,6 +170,15 @@ def test_one_thread_sees_torch_as_without_torchfix(tmp_path):
     result = json.loads((tmp_path / "equivalence.json").read_text())
     assert result["operators"] > 20 and result["graphs"] > 10, result
     assert result["differences"] == {}, proc.stdout
+    # Each fix applied on this torch ran its patched code in some API case (measured with a profiler), but the fixes
+    # whose code runs only with CUDA, on a machine without it. A fix with no code of its own (a config default)
+    # and a fix this torch does not need are not in fixes_with_patched_code.
+    ran = {name for names in result["api_fixes_run"].values() for name in names}
+    not_run = set(result["fixes_with_patched_code"]) - ran
+    cuda_only = set() if "cuda_graphs" in result["api_cases"] else {fix["name"] for fix in FIXES if fix["needs_cuda"]}
+    assert not_run == cuda_only & set(result["fixes_with_patched_code"]), (not_run, cuda_only)
+    # Measured at all (a run that mapped no code would pass above): all but a few fixes have patched code here.
+    assert len(result["fixes_with_patched_code"]) >= len(FIXES) - 3, result["fixes_with_patched_code"]
 
 
 def test_help_names_the_benchmarks_and_an_unknown_one_is_refused():
@@ -180,15 +191,3 @@ def test_help_names_the_benchmarks_and_an_unknown_one_is_refused():
     assert listed in " ".join(helped.stdout.split())
     refused = bench("nope")
     assert refused.returncode == 2 and "unknown benchmark nope: choose from overhead," in refused.stderr
-
-
-def test_every_fix_is_used_by_a_case_of_the_equivalence_run():
-    """Each fix's patched code runs in at least one API case of the equivalence run, and each case names real
-    fixes only."""
-    from conftest import _declared
-
-    from bench.equivalence_apis import CASES
-
-    named = {name for case in CASES for name in case.fixes}
-    fixes = {fix["name"] for fix in _declared["fixes"]}
-    assert named == fixes, {"not used by a case": fixes - named, "not a fix": named - fixes}

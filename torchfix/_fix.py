@@ -128,6 +128,11 @@ class Patch(Protocol):
     # The names of torch's it makes per thread (``patching.patches.PerThreadName``), for the tests that check them.
     def per_thread_names(self) -> list: ...
 
+    # The code objects that run torch's patched code once applied (the innermost function around each edit): a
+    # profiler that sees one of them called saw the patch at work (``bench equivalence`` measures so which fixes
+    # each of its cases runs). Empty for a change of a config default, which no function of its own reads.
+    def patched_code(self) -> set: ...
+
 
 class State(str, enum.Enum):
     APPLIED = "applied"
@@ -175,6 +180,9 @@ class Fix:
     # A hazard that costs time but breaks nothing: where the fix cannot apply, status() says so, without a
     # warning (or, in strict mode, an error) in every program that compiles.
     hazard_is_cost: bool = False
+    # Its patched code runs only where CUDA does (a CUDA graph's capture): the equivalence run's cases reach it on a
+    # CUDA machine only (bench/equivalence_apis.py; its test on CPU expects exactly these fixes not to run).
+    needs_cuda: bool = False
     scenarios: tuple[Scenario, ...] = ()  # how the doctor and the tests show the hazard (see Scenario)
     # What the generated table of fixes (docs/fixes.md) says of it, written here and nowhere else:
     shared_state: str = ""  # the process state torch shares between threads, and who sets and reads it

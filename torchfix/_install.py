@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable
 
@@ -148,6 +149,17 @@ def uninstall() -> list[FixStatus]:
         for entry in fixes.ROSTER:
             _set(FixStatus(entry.name, State.NOT_INSTALLED, "uninstall() was called"))
         return status()
+
+
+def fixes_by_code() -> dict[types.CodeType, list[str]]:
+    """The fixes applied now, by the code objects that run their patched code (``Patch.patched_code``)."""
+    found: dict[types.CodeType, list[str]] = {}
+    with _lock:
+        for fix, patches in _applied:
+            for patch in patches:
+                for code in patch.patched_code():
+                    found.setdefault(code, []).append(fix.name)
+    return found
 
 
 def status() -> list[FixStatus]:

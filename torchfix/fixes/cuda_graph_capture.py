@@ -200,6 +200,7 @@ def captures_in_two_threads(timeout: float = 60.0) -> Result | None:
 FIX = Fix(
     name="cuda-graph-capture",
     order=400,
+    needs_cuda=True,
     hazard="two threads capturing with torch.cuda.graph() (no stream=) at once capture on one side stream: one's "
     "kernels land in the other's graph, or a capture fails",
     versions=releases("2.0"),

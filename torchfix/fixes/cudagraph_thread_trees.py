@@ -239,6 +239,7 @@ def h7_cudagraph_trees_importer_ends(timeout: float = 60.0) -> Result | None:
 FIX = Fix(
     name="cudagraph-thread-trees",
     order=170,
+    needs_cuda=True,
     hazard="mode='reduce-overhead' in a thread other than the one that imported CUDA graph trees fails "
     "(AssertionError in cudagraph_trees.get_obj; torch 2.1 - 2.12), threads' graph captures break each other, "
     "and a thread's trees are torn down by C++ thread-exit code after Python let the thread go",

@@ -116,6 +116,7 @@ def _probe() -> str | None:
 FIX = Fix(
     name="cudagraph-tree-callable",
     order=180,
+    needs_cuda=True,
     hazard="with mode='reduce-overhead', threads replay each other's CUDA graphs (overwritten outputs), and "
     "from torch 2.13 every thread's backward runs in the tree of the first thread whose backward ran",
     versions=releases("2.1"),

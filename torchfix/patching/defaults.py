@@ -28,6 +28,9 @@ class _DefaultChange:
     def per_thread_names(self) -> list:
         return []  # a default is the process's, for every thread
 
+    def patched_code(self) -> set:
+        return set()  # a config entry's default: what reads it is torch's config module, for every entry
+
 
 class ConfigDefault(_DefaultChange):
     """The process-wide default of a ``torch.utils._config_module`` entry, for every thread.
@@ -99,6 +102,9 @@ class KeywordDefault(_DefaultChange):
         if self._saved is not _UNSET:
             self._defaults()[self.parameter] = self._saved
             self._saved = _UNSET
+
+    def patched_code(self) -> set:
+        return {getattr(importlib.import_module(self.module_name), self.function).__code__}
 
     def verify(self) -> None:
         if self._defaults()[self.parameter] != self.value:

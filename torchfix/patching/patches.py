@@ -182,6 +182,9 @@ class SourcePatch:
         """The names of torch's this patch makes per thread (in this release, importing the module)."""
         return []
 
+    def patched_code(self) -> set[types.CodeType]:
+        return self._file.codes_of(self) if self._file is not None else set()
+
 
 def _stable(value: object) -> object:
     """``value`` with its sets sorted: their order changes between processes (string hashing is random)."""

@@ -333,6 +333,14 @@ class PatchedFile:
     def is_applied(self, owner: object) -> bool:
         return owner in self.layers and all(func.__code__ is code for func, code in self.installed.items())
 
+    def codes_of(self, owner: object) -> set[types.CodeType]:
+        """The installed code objects with an instruction on a line that ``owner`` edits: the function around each
+        edit, and a lambda or comprehension on that line (edits never add lines, so the file's line numbers are the
+        code's)."""
+        lines = {edit.line for edit in self.layers.get(owner, ())}
+        codes = {nested for top in self.installed.values() for nested in iter_code(top)}
+        return {code for code in codes if lines & {line for _start, _end, line in code.co_lines()}}
+
     def _compile(
         self, edits: list[Edit]
     ) -> tuple[dict[tuple[str, int], types.CodeType], set[tuple[str, int]], set[tuple[str, str, int]]]:
