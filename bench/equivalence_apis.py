@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -531,8 +532,6 @@ CASES = [
 
 def _fixes_by_code() -> dict:
     """The applied fixes by the code objects that run their patched code; empty on the side without torchfix."""
-    import sys
-
     installed = sys.modules.get("torchfix._install")
     return installed.fixes_by_code() if installed is not None else {}
 
@@ -545,6 +544,7 @@ def main(out: str, triggers: list[str]) -> None:
     for trigger in triggers:
         with contextlib.suppress(ImportError):  # a part of torch this release lacks
             importlib.import_module(trigger)
+    fixes_by_code = _fixes_by_code()
     results: dict[str, dict] = {}
     ran: dict[str, list[str]] = {}
     for case in CASES:
@@ -557,7 +557,6 @@ def main(out: str, triggers: list[str]) -> None:
         except Exception as exc:
             seen["error"] = _plain(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         results[case.run.__name__] = seen.found
-        fixes_by_code = _fixes_by_code()  # after the case: a lazily imported module's patched code is new code
         called = {entry.code for entry in profiler.getstats()}
         ran[case.run.__name__] = sorted({name for code in called for name in fixes_by_code.get(code, ())})
     if fixes_by_code:
