@@ -128,9 +128,10 @@ class Patch(Protocol):
     # The names of torch's it makes per thread (``patching.patches.PerThreadName``), for the tests that check them.
     def per_thread_names(self) -> list: ...
 
-    # The code objects that run torch's patched code once applied (the innermost function around each edit): a
-    # profiler that sees one of them called saw the patch at work (``bench equivalence`` measures so which fixes
-    # each of its cases runs). Empty for a change of a config default, which no function of its own reads.
+    # The code objects that run torch's patched code once applied (for a source patch, those with an instruction on a
+    # line it edits): a profiler that sees one of them called saw the function the patch changed run (``bench
+    # equivalence`` measures so which fixes each of its cases runs). Empty for a change of a config default, which
+    # no function of its own reads.
     def patched_code(self) -> set: ...
 
 
