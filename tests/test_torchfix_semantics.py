@@ -76,7 +76,7 @@ import json
 import torch, torchfix
 from torchfix import _install
 import torch.fx._symbolic_trace as st
-flag_patch = _install._applied[0][1][0]
+flag_patch = next(patches[0] for fix, patches in _install._applied if fix.name == "fx-tracing-flag")
 flag_patch.verify()  # clean after install
 exec("def sneaky():\\n    return _is_fx_tracing_flag\\n", vars(st))  # a function the patch never saw
 st.sneaky.__module__ = st.__name__

@@ -108,6 +108,29 @@ def module_around(inner: Callable):
     return Around()
 
 
+def fx_node_stack_traces() -> list[str]:
+    """One thread: the node stack traces of a ``torch.fx.Tracer`` trace, with ``record_stack_traces``, of a module
+    that calls a submodule (under ``trace-patch-isolation``, ``nn.Module.__call__`` is torchfix's dispatcher while
+    a thread traces, so a submodule's nodes are recorded through it)."""
+    import torch
+
+    class Inner(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x)
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) + 1
+
+    tracer = torch.fx.Tracer()
+    tracer.record_stack_traces = True
+    return [node.stack_trace or "" for node in tracer.trace(Outer()).nodes]
+
+
 def graph_ops(module) -> list[str]:
     import torch
 

@@ -12,9 +12,8 @@ call a ``torchfix/patching/slots.py ... in dispatch`` line (torch 2.13, one thre
 The edit adds torchfix's own files to the set ``torch._dynamo.guards.uninteresting_files()`` returns, so every
 filter built on it drops them as it drops torch's; torch 2.1 - 2.5, whose FX set does not union Dynamo's yet, get
 the same edit there. Both sets are cached: the caches are cleared when the fix applies and when it is removed.
-Filters that match file names by a list of their own (``Tracer._find_user_frame``), and the node stack traces of
-2.0 - 2.7, which keep the whole stack unfiltered, torch's own frames included, still show the frame (see
-``caveats``).
+Filters that match file names by a list of their own (``Tracer._find_user_frame``) still show the frame (see
+``caveats``); the node stack traces of 2.0 - 2.7, which keep the whole stack unfiltered, are ``fx-stack-traces``'.
 """
 
 from __future__ import annotations
@@ -22,13 +21,12 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import os
 import sys
 import types
 
 from .._fix import Fix, Scenario, releases
-from ..doctor.scenarios import Result, torch_module
-from ..patching.patches import SourcePatch
+from ..doctor.scenarios import Result, fx_node_stack_traces, torch_module
+from ..patching.patches import SourcePatch, torchfix_files
 from ..patching.source import Edit, definitions, find_replaced, replace_node, segment
 
 GUARDS = "torch._dynamo.guards"
@@ -36,15 +34,6 @@ SHAPES = "torch.fx.experimental.symbolic_shapes"
 FUNCTION = "uninteresting_files"
 FILES = "_torchfix_files"
 SET_OF_MODULE_FILES = "{inspect.getfile(m) for m in mods}"
-
-
-def torchfix_files() -> frozenset[str]:
-    """Every source file of the torchfix package, named as its modules' ``__file__`` (what ``inspect.getfile``
-    gives for torch's modules in the same sets)."""
-    root = os.path.dirname(os.path.dirname(__file__))
-    return frozenset(
-        os.path.join(folder, name) for folder, _, names in os.walk(root) for name in names if name.endswith(".py")
-    )
 
 
 class _TorchfixFilesUninteresting(SourcePatch):
@@ -106,25 +95,8 @@ def traced_stack_traces(timeout: float = 60.0) -> Result | None:
     proxy = torch_module("torch.fx.proxy")
     if FUNCTION not in inspect.getsource(proxy):
         return None
-    import torch
-
-    class Inner(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(x)
-
-    class Outer(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = Inner()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.inner(x) + 1
-
     importlib.import_module(GUARDS)  # the filters' set (Dynamo's), as any compile or export has it
-    tracer = torch.fx.Tracer()
-    tracer.record_stack_traces = True
-    graph = tracer.trace(Outer())
-    traces = [node.stack_trace or "" for node in graph.nodes]
+    traces = fx_node_stack_traces()
     ours = [trace for trace in traces if "torchfix" in trace]
     detail = f"{len(ours)} of {len(traces)} node stack traces show a frame of torchfix's"
     return Result("stack traces of an FX trace (one thread)", bool(ours), detail + (f": {ours[0]!r}" if ours else ""))
@@ -160,9 +132,9 @@ FIX = Fix(
     ),
     releases_note='before 2.1 no such set: "not needed"',
     caveats=(
-        "The node stack traces of torch 2.0 - 2.7 are the whole stack, unfiltered (torch's own frames included): "
-        "there a trace through the dispatcher still has one frame of torchfix's more. Filters with a list of file "
-        "names of their own (`Tracer._find_user_frame`, unused by torch's own tracers in 2.13) are left as they are."
+        "Filters with a list of file names of their own (`Tracer._find_user_frame`, unused by torch's own tracers in "
+        "2.13) are left as they are; the node stack traces of torch 2.0 - 2.7, the whole stack unfiltered, are "
+        "`fx-stack-traces`'."
     ),
     survey_rows=("torch/_dynamo/guards.py: uninteresting_files()",),
 )

@@ -186,6 +186,16 @@ class SourcePatch:
         return self._file.codes_of(self) if self._file is not None else set()
 
 
+def torchfix_files() -> frozenset[str]:
+    """Every source file of the torchfix package, named as its modules' ``__file__`` (what ``inspect.getfile``
+    gives for torch's modules, and a frame's ``co_filename``): the files of the frames torchfix adds to torch's
+    stacks, for the fixes that keep them out of what torch records."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    return frozenset(
+        os.path.join(folder, name) for folder, _, names in os.walk(root) for name in names if name.endswith(".py")
+    )
+
+
 def _stable(value: object) -> object:
     """``value`` with its sets sorted: their order changes between processes (string hashing is random)."""
     if isinstance(value, (set, frozenset)):
