@@ -40,9 +40,10 @@ def frames_dropped(summary: traceback.StackSummary, files: frozenset[str]) -> tr
 
 
 def _filters_its_stacks() -> bool:
-    """Whether torch's ``create_proxy`` drops its own frames by ``uninteresting_files()`` (2.8+)."""
-    proxy = torch_module(MODULE)
-    return "uninteresting_files" in proxy.TracerBase.create_proxy.__code__.co_names
+    """Whether torch's tracer drops its own frames from node stack traces by ``uninteresting_files()``: in
+    ``create_proxy`` on 2.8 and 2.9, in a method of its own from 2.10."""
+    methods = vars(torch_module(MODULE).TracerBase).values()
+    return any("uninteresting_files" in method.__code__.co_names for method in methods if hasattr(method, "__code__"))
 
 
 class _OwnFramesDropped(SourcePatch):
