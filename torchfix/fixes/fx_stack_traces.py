@@ -26,11 +26,11 @@ from ..patching.source import Edit, definitions, find_replaced, replace_node, se
 MODULE = "torch.fx.proxy"
 FUNCTION = "TracerBase.create_proxy"
 HELPER = "_torchfix_frames_dropped"
-# The stack create_proxy formats, as each release takes it, and the edit's text for it.
+# The stack create_proxy formats, as each release takes it (2.0, 2.1 - 2.3, 2.4 - 2.7), and the edit's text for it.
 EDITS = {
     "traceback.StackSummary.extract(walk_stack_gen)": f"{HELPER}(traceback.StackSummary.extract(walk_stack_gen))",
-    "traceback.extract_stack(user_frame)": f"{HELPER}(traceback.extract_stack(user_frame))",  # 2.1 - 2.3
-    "CapturedTraceback.extract().format()": f"{HELPER}(CapturedTraceback.extract().summary()).format()",  # 2.4+
+    "traceback.extract_stack(user_frame)": f"{HELPER}(traceback.extract_stack(user_frame))",
+    "CapturedTraceback.extract().format()": f"{HELPER}(CapturedTraceback.extract().summary()).format()",
 }
 
 
