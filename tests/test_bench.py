@@ -177,8 +177,10 @@ def test_one_thread_sees_torch_as_without_torchfix(tmp_path):
     not_run = set(result["fixes_with_patched_code"]) - ran
     cuda_only = set() if "cuda_graphs" in result["api_cases"] else {fix["name"] for fix in FIXES if fix["needs_cuda"]}
     assert not_run == cuda_only & set(result["fixes_with_patched_code"]), (not_run, cuda_only)
-    # Measured at all (a run that mapped no code would pass above): all but a few fixes have patched code here.
-    assert len(result["fixes_with_patched_code"]) >= len(FIXES) - 3, result["fixes_with_patched_code"]
+    # Measured at all (a run that mapped no code would pass above): every fix of this torch's releases has patched
+    # code here, but at most two (one this torch does not need, one that changes a config default: 2.13).
+    supported = [fix["name"] for fix in FIXES if fix["supported"]]
+    assert len(result["fixes_with_patched_code"]) >= len(supported) - 2, (supported, result["fixes_with_patched_code"])
 
 
 def test_help_names_the_benchmarks_and_an_unknown_one_is_refused():

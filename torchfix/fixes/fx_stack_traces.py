@@ -16,6 +16,7 @@ frames keep their order and text.
 from __future__ import annotations
 
 import ast
+import os
 import traceback
 
 from .._fix import Fix, Scenario, releases
@@ -75,20 +76,26 @@ def _probe() -> str | None:
 
 def traced_stack_traces_unfiltered(timeout: float = 60.0) -> Result | None:
     """One thread: a trace with ``record_stack_traces`` of a module that calls a submodule, on a torch that keeps
-    the whole stack (2.0 - 2.7): no node's stack trace may hold a frame of torchfix's. None on 2.8+."""
+    the whole stack (2.0 - 2.7): no node's stack trace may hold a frame of torchfix's. The scenario's own frames
+    are torchfix's too (as they are for ``stack-filters``' scenario), so with torchfix uninstalled they show it;
+    the detail counts the traces with the frame a user's trace would show, the per-thread dispatcher's. None on
+    2.8+."""
     if _filters_its_stacks():
         return None
     files = torchfix_files()
+    dispatcher = [file for file in files if f"{os.sep}patching{os.sep}" in file]
     traces = fx_node_stack_traces()
     ours = [trace for trace in traces if any(f'"{file}"' in trace for file in files)]
+    dispatched = [trace for trace in traces if any(f'"{file}"' in trace for file in dispatcher)]
     detail = f"{len(ours)} of {len(traces)} node stack traces show a frame of torchfix's"
+    detail += f" ({len(dispatched)} its dispatcher's)"
     return Result("unfiltered stack traces of an FX trace (one thread)", bool(ours), detail)
 
 
 FIX = Fix(
     name="fx-stack-traces",
     order=6,
-    hazard="on torch 2.0 - 2.7, FX node stack traces recorded through torchfix's dispatcher showed its frame",
+    hazard="FX node stack traces, which keep the whole stack, showed the frame of torchfix's dispatcher",
     versions=releases("2.0", "2.7"),
     probe=_probe,
     patches=lambda _torch_version: [_OwnFramesDropped()],
