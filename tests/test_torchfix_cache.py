@@ -136,20 +136,22 @@ def test_the_cache_can_be_turned_off(cold_cache, tmp_path):
 def test_processes_starting_together_share_an_empty_cache(cold_cache, tmp_path):
     cache = tmp_path / "cache"
     # Four processes forked at once (from one that has imported torch and the triggers, not torchfix), each running
-    # PROBE, and so `import torchfix`, against the empty cache; their parent exits 1 if one of them failed.
+    # PROBE, and so `import torchfix`, against the empty cache; their parent exits 1 if one of them failed. Each
+    # reports into a file of its own: a report is longer than a pipe's atomic write, so on one stdout they can mix.
     together = """
 import os, sys
 children = []
-for _ in range(4):
+for child in range(4):
     if os.fork() == 0:
+        sys.stdout = open(os.path.join(sys.argv[1], f"report-{child}.json"), "w")
         break
     children.append(None)
 else:
     sys.exit(1 if any(os.wait()[1] for _ in children) else 0)
 """
-    ran = run_ok(together + PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers", timeout=300)
-    reports = [json.loads(line) for line in ran.stdout.strip().splitlines()]
-    assert reports == [cold_cache[1]] * 4, ran.stdout
+    run_ok(together + PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers", timeout=300, args=[str(tmp_path)])
+    reports = [json.loads(report.read_text()) for report in sorted(tmp_path.glob("report-*.json"))]
+    assert reports == [cold_cache[1]] * 4, reports
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
     assert probe(cache) == cold_cache[1]
 
