@@ -1,4 +1,5 @@
-"""python -m bench [overhead] [coldstart] [firststep] [trainer] [cudagraphs] [cost] [equivalence] [--device DEV]
+"""python -m bench [overhead] [coldstart] [firststep] [trainer] [cudagraphs] [cost] [equivalence] [instructions]
+[--device DEV]
 [--quick] [--out DIR]: print a table and write JSON per benchmark."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
-from . import coldstart, cost, cudagraphs, equivalence, firststep, overhead, trainer
+from . import coldstart, cost, cudagraphs, equivalence, firststep, instructions, overhead, trainer
 
 BENCHMARKS = {
     "overhead": overhead,
@@ -18,6 +19,7 @@ BENCHMARKS = {
     "cudagraphs": cudagraphs,
     "cost": cost,
     "equivalence": equivalence,
+    "instructions": instructions,
 }
 
 
@@ -37,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         "--width", choices=("tiny", "real"), default="tiny", help="trainer: model width (see bench/trainer.py)"
     )
     parser.add_argument("--counts", default="1,2,3", help="trainer: drafter replica counts to run")
-    parser.add_argument("--runs", type=int, default=3, help="runs per configuration of cudagraphs")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="cudagraphs: runs per configuration; instructions: hash seeds per side"
+    )
     parser.add_argument("--configs", default="", help="cudagraphs: indices of the configurations to run (0,1,...)")
     parser.add_argument("--parallel", type=int, default=1, help="cudagraphs: runs at once, each its own process")
     parser.add_argument(
@@ -69,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             options |= {"width": args.width, "counts": tuple(int(n) for n in args.counts.split(","))}
         if name == "firststep":
             options |= {"pairs": args.pairs}
+        if name == "instructions":
+            options = {"runs": args.runs}
         if name == "cudagraphs":
             options = {"runs": args.runs, "configs": args.configs, "parallel": args.parallel}
         if name == "cost":

@@ -93,7 +93,7 @@ def _flags(device: str, replicas_per_process: int, steps: int, batch: int, seq_l
         "--watchdog-timeout=600",
     ]
     if quick:
-        flags += ["--tiny-target-steps=0", "--backend=eager", "--drafter-layers=1", "--num-anchors=2"]
+        flags += ["--tiny-target-steps=0", "--regenerate=0", "--backend=eager", "--drafter-layers=1", "--num-anchors=2"]
     return flags
 
 

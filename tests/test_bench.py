@@ -189,7 +189,7 @@ def test_help_names_the_benchmarks_and_an_unknown_one_is_refused():
 
     helped = bench("--help")
     assert helped.returncode == 0 and "[NAME ...]" in helped.stdout and "{[]" not in helped.stdout
-    listed = "overhead, coldstart, firststep, trainer, cudagraphs, cost, equivalence (default: all)"
+    listed = "overhead, coldstart, firststep, trainer, cudagraphs, cost, equivalence, instructions (default: all)"
     assert listed in " ".join(helped.stdout.split())
     refused = bench("nope")
     assert refused.returncode == 2 and "unknown benchmark nope: choose from overhead," in refused.stderr

@@ -149,7 +149,9 @@ for child in range(4):
 else:
     sys.exit(1 if any(os.wait()[1] for _ in children) else 0)
 """
-    run_ok(together + PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers", timeout=300, args=[str(tmp_path)])
+    run_ok(
+        together + PROBE, env={"TORCHFIX_CACHE_DIR": str(cache)}, forked="triggers", timeout=300, args=[str(tmp_path)]
+    )
     reports = [json.loads(report.read_text()) for report in sorted(tmp_path.glob("report-*.json"))]
     assert reports == [cold_cache[1]] * 4, reports
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
