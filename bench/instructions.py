@@ -66,10 +66,16 @@ def _count(with_torchfix: bool, kind: str, calls: int, seed: int, out: Path) -> 
     step("ready", "on")
     step("done", "off")
     proc.wait(timeout=600)
-    for line in out.read_text().splitlines():
-        if line.startswith("totals:"):  # (its "summary:" line counts from the start, with the counting off: 0)
+    return total(out.read_text())
+
+
+def total(profile: str) -> int:
+    """The instructions a callgrind profile counted while counting was on: its ``totals:`` line (its ``summary:``
+    line counts from the process's start, which ``--instr-atstart=no`` leaves at 0)."""
+    for line in profile.splitlines():
+        if line.startswith("totals:"):
             return int(line.split()[1])
-    raise RuntimeError(f"no instruction total in {out}")
+    raise RuntimeError("no instruction total in the profile")
 
 
 def _where(without: Path, with_fix: Path, calls: int, most: int = 8) -> list[str]:

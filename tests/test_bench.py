@@ -183,6 +183,15 @@ def test_one_thread_sees_torch_as_without_torchfix(tmp_path):
     assert len(result["fixes_with_patched_code"]) >= len(supported) - 2, (supported, result["fixes_with_patched_code"])
 
 
+def test_instructions_reads_the_count_of_the_window_it_switched_on():
+    from bench.instructions import total
+
+    # As callgrind writes it with --instr-atstart=no: the summary of the whole run first (0), then the window's.
+    assert total("version: 1\nevents: Ir\nsummary: 0\nfn=(1) main\n3 5\ntotals: 152099020\n") == 152099020
+    with pytest.raises(RuntimeError, match="no instruction total"):
+        total("events: Ir\nsummary: 0\n")
+
+
 def test_help_names_the_benchmarks_and_an_unknown_one_is_refused():
     def bench(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO, capture_output=True, text=True)
