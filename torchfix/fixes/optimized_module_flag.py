@@ -16,9 +16,8 @@ device thread shares with the forward's thread cost a compiled ``nn.Linear`` cal
 2.13). A backward is never inside a compiled module's call, and on the device thread the flag reads False, the
 value torch's global has there too whenever no other thread is in such a call.
 
-Those three accesses are what torchfix adds to a compiled module's call: in CPython's C, ~600 machine instructions
-a ``threading.local`` write and ~460 a read (a global: a few dozen), ~1.1 % of a compiled ``nn.Linear`` call's
-instructions (``python -m bench instructions``: torch 2.13, Python 3.11).
+Those three accesses are what torchfix adds to a compiled module's call, counted in machine instructions by
+``python -m bench instructions`` (its figures: BENCHMARKS.md).
 """
 
 from __future__ import annotations
