@@ -113,9 +113,11 @@ def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
 
 # One process replaying a CUDA-graphed training step (forward and backward of a small MLP, compiled with
 # mode="reduce-overhead"): argv with/without torchfix, device. It warms up (compile, record), says "ready", then
-# for each number of steps read from stdin runs them and prints the steps per second.
+# for each number of steps read from stdin runs them and prints the steps per second. argv: with/without torchfix,
+# device, the CPU to run on.
 REPLAY_WORKER = r"""
-import sys, time
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[3])})
 if sys.argv[1] == "1":
     import torchfix
 import torch
@@ -157,14 +159,16 @@ def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
     torchfix and without (a process that never imports it), in turns (ABBA); the median of the rounds' ratios
     with quartiles. A second process without torchfix runs in the same turns as a control: its ratio to the first
     is what two identical processes differ by on this machine (the noise floor of the row). Only one process runs
-    at a time; the others wait on their pipes."""
+    at a time; the others wait on their pipes, and all run on one CPU: left to the scheduler, each process
+    landed on other cores and their rates differed by 3 % (the control; 1.0 - 1.8 % pinned, H100 machine)."""
     if not device.startswith("cuda"):
         return {"skipped": f"CUDA graphs need a CUDA device (--device cuda:0); this run's is {device}"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    cpu = str(max(os.sched_getaffinity(0)))
     imports_torchfix = {"with": True, "without": False, "control": False}
     workers = {
         label: subprocess.Popen(
-            [sys.executable, "-c", REPLAY_WORKER, "1" if installed else "0", device],
+            [sys.executable, "-c", REPLAY_WORKER, "1" if installed else "0", device, cpu],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
