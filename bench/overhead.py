@@ -112,9 +112,8 @@ def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
 
 
 # One process replaying a CUDA-graphed training step (forward and backward of a small MLP, compiled with
-# mode="reduce-overhead"): argv with/without torchfix, device. It warms up (compile, record), says "ready", then
-# for each number of steps read from stdin runs them and prints the steps per second. argv: with/without torchfix,
-# device, the CPU to run on.
+# mode="reduce-overhead"): argv with/without torchfix, device, the CPU to run on. It warms up (compile, record), says
+# "ready", then for each number of steps read from stdin runs them and prints the steps per second.
 REPLAY_WORKER = r"""
 import os, sys, time
 os.sched_setaffinity(0, {int(sys.argv[3])})
@@ -160,7 +159,8 @@ def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
     with quartiles. A second process without torchfix runs in the same turns as a control: its ratio to the first
     is what two identical processes differ by on this machine (the noise floor of the row). Only one process runs
     at a time; the others wait on their pipes, and all run on one CPU: left to the scheduler, each process
-    landed on other cores and their rates differed by 3 % (the control; 1.0 - 1.8 % pinned, H100 machine)."""
+    landed on other cores, and two identical ones differed by 0.91 - 1.04 (the control's quartiles; pinned,
+    1.01 - 1.03 and 0.99 - 1.04: H100 machine, 7 December 2026)."""
     if not device.startswith("cuda"):
         return {"skipped": f"CUDA graphs need a CUDA device (--device cuda:0); this run's is {device}"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
