@@ -159,8 +159,7 @@ def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
     with quartiles. A second process without torchfix runs in the same turns as a control: its ratio to the first
     is what two identical processes differ by on this machine (the noise floor of the row). Only one process runs
     at a time; the others wait on their pipes, and all run on one CPU: left to the scheduler, each process
-    landed on other cores, and two identical ones differed by 0.91 - 1.04 (the control's quartiles; pinned,
-    1.01 - 1.03 and 0.99 - 1.04: H100 machine, 7 December 2026)."""
+    landed on other cores and the control was several times as wide (docs/measured.md, "Pinned to one core")."""
     if not device.startswith("cuda"):
         return {"skipped": f"CUDA graphs need a CUDA device (--device cuda:0); this run's is {device}"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
