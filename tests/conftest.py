@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,14 +76,16 @@ def run_python(
 
 class _ForkServer:
     """A fork server (tests/fork_server.py) of this test process, started at its first use: one per set of modules
-    it imports before forking."""
+    it imports before forking, and per mode (``socket``: for fork_client.py, tests/fork_server.py's socket mode)."""
 
     source = (Path(__file__).parent / "fork_server.py").read_text()
-    running: dict[tuple[str, ...], _ForkServer] = {}
+    running: dict[tuple[tuple[str, ...], bool], _ForkServer] = {}
 
-    def __init__(self, preload: tuple[str, ...]) -> None:
+    def __init__(self, preload: tuple[str, ...], socket: bool) -> None:
+        self.socket = str(Path(tempfile.mkdtemp(prefix="fork-server-")) / "socket") if socket else None
+        mode = ["--socket", self.socket] if socket else []
         self.process = subprocess.Popen(
-            [sys.executable, "-c", self.source, *preload],
+            [sys.executable, "-c", self.source, *mode, *preload],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -91,14 +94,13 @@ class _ForkServer:
         atexit.register(self.stop)
         ready = json.loads(self.process.stdout.readline())
         assert ready["ready"] == 1, f"the fork server started with {ready['ready']} threads"
-        self.env: dict[str, str] = ready["env"]
         self.set_by_imports: dict[str, str] = ready["set_by_imports"]
 
     @classmethod
-    def get(cls, preload: tuple[str, ...]) -> _ForkServer:
-        server = cls.running.get(preload)
+    def get(cls, preload: tuple[str, ...], socket: bool = False) -> _ForkServer:
+        server = cls.running.get((preload, socket))
         if server is None or server.process.poll() is not None:
-            server = cls.running[preload] = cls(preload)
+            server = cls.running[preload, socket] = cls(preload, socket)
         return server
 
     def request(self, **request) -> dict:
@@ -106,7 +108,9 @@ class _ForkServer:
         self.process.stdin.flush()
         reply = self.process.stdout.readline()
         assert reply, f"the fork server died (exit {self.process.wait()})"
-        return json.loads(reply)
+        reply = json.loads(reply)
+        assert "refused" not in reply, reply["refused"]
+        return reply
 
     def stop(self) -> None:
         self.process.stdin.close()  # the server ends at the end of its input
@@ -122,16 +126,20 @@ def fork_python(
     code that imports torchfix itself and does not test what happens before those are imported, nor the
     interpreter's start or exit. Saves the imports' CPU seconds every run (torch ~2, Dynamo, Inductor and
     export ~2-3 more, transformers and matplotlib ~1). The environment may differ from the server's only where
-    the imports do not read it: TORCHFIX_ and pytest's variables, PYTHONPATH (the child puts it on sys.path),
-    and what the imports set for themselves."""
+    the imports do not read it (fork_server.MAY_DIFFER: the server refuses the rest)."""
     server = _ForkServer.get(preload)
-    differs = {k for k in {*env, *server.env} if env.get(k) != server.env.get(k)} - set(server.set_by_imports)
-    may_differ = ("TORCHFIX_", "PYTEST_", "PYTHONPATH")
-    assert all(k.startswith(may_differ) for k in differs), f"a forked child cannot have {sorted(differs)} set"
     reply = server.request(argv=list(argv), env=env, cwd=cwd or os.getcwd(), timeout=timeout)
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(["<forked>", *argv], timeout, reply["stdout"], reply["stderr"])
     return Ran(reply["returncode"], reply["stdout"], reply["stderr"])
+
+
+def forked_python(preload: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """What a launcher (torchrun) can start in place of ``python`` so that each process it starts is forked from an
+    interpreter that has imported torch and the ``preload`` modules (tests/fork_client.py, run by ``python``; for
+    the same code as ``fork_python``), and the variable that leads the client to that server."""
+    server = _ForkServer.get(preload, socket=True)
+    return [str(Path(__file__).parent / "fork_client.py")], {"FORK_SERVER_SOCKET": server.socket}
 
 
 def run_forked(

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import _test_env, fork_python
+from conftest import _test_env, fork_python, forked_python
 
 from dflash_train.__main__ import main
 
@@ -35,12 +35,13 @@ def _env() -> dict[str, str]:
 
 
 # What the trainer imports that takes its CPU seconds (torch's flex attention imports Dynamo; the torch.compile at
-# dflash_train.masks' import, Inductor's compile_fx and Dynamo's repro): a plain run is forked from an interpreter
-# that has imported them (conftest.fork_python), ~8 CPU s less a run. Not torchfix nor dflash_train: the run
-# imports them itself, torchfix first, as it does fresh. One difference: the server's import of Dynamo fixed
-# DynamoCache's folder (torch._dynamo.package, read only with caching_precompile, off) under Inductor's default
-# cache folder; every other read of TORCHINDUCTOR_CACHE_DIR is live, and the run's environment has none from the
-# server: the trainer points it at its own private folder, as it does fresh.
+# dflash_train.masks' import, Inductor's compile_fx and Dynamo's repro): a plain run, and each rank a launcher starts,
+# is forked from an interpreter that has imported them (conftest.fork_python, conftest.forked_python), ~7 CPU s less a
+# process. Not torchfix nor dflash_train: the run imports them itself, torchfix first, as it does fresh. One
+# difference: the server's import of Dynamo fixed DynamoCache's folder (torch._dynamo.package, read only with
+# caching_precompile, off) under Inductor's default cache folder; every other read of TORCHINDUCTOR_CACHE_DIR is live,
+# and the run's environment has none from the server: the trainer points it at its own private folder, as it does
+# fresh.
 TRAINER_IMPORTS = (
     "torch.nn.attention.flex_attention", "torch.distributed", "torch.utils.checkpoint", "transformers",
     "transformers.models.qwen3.modeling_qwen3", "safetensors.torch", "tqdm", "matplotlib.pyplot",
@@ -52,20 +53,26 @@ TRAINER_IMPORTS = (
 WITH_FAULT = str(Path(__file__).parent / "dflash_with_fault.py")
 
 
-def _trainer(launcher: tuple[str, ...], fault: str) -> list[str]:
-    return [*launcher, WITH_FAULT, fault] if fault else [*launcher, "-m", "dflash_train"]
+def _trainer(launcher: tuple[str, ...], fault: str) -> tuple[list[str], dict[str, str]]:
+    """What follows ``python`` to run the trainer, and its environment: a launcher's processes are forked
+    (conftest.forked_python) and get the signals the launcher sends, as fresh ones would."""
+    program = [WITH_FAULT, fault] if fault else ["-m", "dflash_train"]
+    if not launcher:
+        return program, _env()
+    client, env = forked_python(TRAINER_IMPORTS)
+    return [*launcher, *client, *program], {**_env(), **env}
 
 
 def run_cli(args: list[str], timeout: float = 240, launcher: tuple[str, ...] = (), fault: str = ""):
     """``python [launcher] -m dflash_train args``; ``launcher`` runs it under torchrun, for instance; ``fault``
-    ('raise@drafter:2') arms a fault in it first. Without a launcher, forked (TRAINER_IMPORTS): no run of this
-    helper is sent a signal; those that are start fresh (start_training), as the launchers' ranks do."""
-    argv = [*_trainer(launcher, fault), *args]
+    ('raise@drafter:2') arms a fault in it first. Forked (TRAINER_IMPORTS): without a launcher the run itself, which
+    no test of this helper sends a signal; with one, each process the launcher starts. Those that are sent signals
+    start fresh (start_training)."""
+    program, env = _trainer(launcher, fault)
+    argv = [*program, *args]
     if not launcher:
-        return fork_python(argv, preload=TRAINER_IMPORTS, env=_env(), cwd=str(REPO), timeout=timeout)
-    return subprocess.run(
-        [sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO
-    )  # fmt: skip
+        return fork_python(argv, preload=TRAINER_IMPORTS, env=env, cwd=str(REPO), timeout=timeout)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
 def _default_sigint() -> None:
@@ -77,9 +84,10 @@ def _default_sigint() -> None:
 def start_training(args: list[str], metrics: Path, launcher: tuple[str, ...] = (), fault: str = "") -> subprocess.Popen:
     """Start ``python [launcher] -m dflash_train args`` (``fault``: as ``run_cli``'s) and return once ``metrics``
     holds a training step."""
+    program, env = _trainer(launcher, fault)
     proc = subprocess.Popen(
-        [sys.executable, "-u", *_trainer(launcher, fault), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO,
+        [sys.executable, "-u", *program, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
         preexec_fn=_default_sigint,
     )  # fmt: skip
     deadline = time.monotonic() + 120

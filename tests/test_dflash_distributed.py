@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import _test_env, forked_python
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_dflash_cli import REPO, run_cli, start_training, tiny_flags
+from test_dflash_cli import REPO, TRAINER_IMPORTS, run_cli, start_training, tiny_flags
 
 from dflash_train.config import ConfigError, TrainConfig
 
@@ -114,21 +115,21 @@ def test_batch_must_split_across_every_thread_of_every_rank(monkeypatch):
 
 
 def test_ranks_with_different_thread_counts_get_one_message(tmp_path):
-    """Two processes started by hand (torchrun passes every rank the same flags)."""
+    """Two processes started by hand (torchrun passes every rank the same flags), forked as torchrun's are."""
+    client, client_env = forked_python(TRAINER_IMPORTS)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
-        env.update(
-            PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        env = _test_env(env=dict(
+            client_env, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
             RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-        )  # fmt: skip
+        ))  # fmt: skip
         threads = ["--drafter-threads-per-device", str(rank + 1), "--batch-size", "12"]
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "dflash_train", *flags(tmp_path, f"rank{rank}"), *threads],
+                [sys.executable, *client, "-m", "dflash_train", *flags(tmp_path, f"rank{rank}"), *threads],
                 stderr=subprocess.PIPE,
                 text=True,
                 env=env,
