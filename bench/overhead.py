@@ -1,8 +1,8 @@
 """What torchfix costs: compiled-call rate and flag-read time with and without it, measured side by
 side in one process (alternating blocks, torchfix uninstalled and reinstalled between them, and a control block
-without it), the time ``import torchfix`` adds (fresh interpreters), and on CUDA the replay rate of a
-``reduce-overhead`` compiled module (three worker processes taking turns: one with torchfix and two that never
-import it, whose ratio is the row's noise floor) and its Python and C calls per step, counted.
+without it), the time ``import torchfix`` adds (fresh interpreters), and in three worker processes taking turns (one
+with torchfix and two that never import it, whose ratio is the row's noise floor) an eager backward's rate and on CUDA
+the replay rate of a ``reduce-overhead`` compiled module, with their Python and C calls per step, counted.
 
 Goal: every rate with torchfix / without >= 0.995; ``import torchfix`` after torch <= 50 ms.
 """
@@ -111,27 +111,18 @@ def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
     }
 
 
-# One process replaying a CUDA-graphed training step (forward and backward of a small MLP, compiled with
-# mode="reduce-overhead"): argv with/without torchfix, device, the CPU to run on. It warms up (compile, record), says
-# "ready", then for each number of steps read from stdin runs them and prints the steps per second.
-REPLAY_WORKER = r"""
+# The workers of the rows timed in separate processes (``processes_in_turns``): ``python -c WORKER TORCHFIX CPU ...``
+# runs pinned to that one CPU, imports torchfix first where TORCHFIX is "1", prints "ready" and the Python and C
+# function calls of one step (counted, whatever the load), then for each line of stdin (a number of steps) the steps
+# per second.
+TURNS_HEAD = r"""
 import os, sys, time
-os.sched_setaffinity(0, {int(sys.argv[3])})
+os.sched_setaffinity(0, {int(sys.argv[2])})
 if sys.argv[1] == "1":
     import torchfix
 import torch
-device = sys.argv[2]
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).to(device)
-x = torch.randn(64, 256, device=device)
-compiled = torch.compile(model, mode="reduce-overhead")
-def step():
-    torch.compiler.cudagraph_mark_step_begin()
-    compiled(x).square().mean().backward()
-    model.zero_grad(set_to_none=True)  # the gradients are the graph's outputs: the next replay reuses their memory
-for _ in range(20):  # compile, warm up, record the forward and backward graphs, replay
-    step()
-torch.cuda.synchronize()
+"""
+TURNS_TAIL = r"""
 calls = 0
 def count(frame, event, arg):
     global calls
@@ -140,34 +131,69 @@ sys.setprofile(count)
 for _ in range(20):
     step()
 sys.setprofile(None)
-torch.cuda.synchronize()
-print("ready", calls / 20, flush=True)  # Python and C function calls per step: counted, whatever the load
+sync()
+print("ready", calls / 20, flush=True)
 for line in sys.stdin:
     steps = int(line)
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     print(steps / (time.perf_counter() - start), flush=True)
 """
 
 
-def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
-    """Steps per second of one thread replaying a ``reduce-overhead`` compiled module's forward and backward, with
-    torchfix and without (a process that never imports it), in turns (ABBA); the median of the rounds' ratios
-    with quartiles. A second process without torchfix runs in the same turns as a control: its ratio to the first
-    is what two identical processes differ by on this machine (the noise floor of the row). Only one process runs
-    at a time; the others wait on their pipes, and all run on one CPU: left to the scheduler, each process
-    landed on other cores and the control was several times as wide (docs/measured.md, "Pinned to one core")."""
-    if not device.startswith("cuda"):
-        return {"skipped": f"CUDA graphs need a CUDA device (--device cuda:0); this run's is {device}"}
+def in_turns_worker(step_code: str) -> str:
+    """A worker for ``processes_in_turns``: ``step_code`` defines ``step()`` and ``sync()`` (and may warm up)."""
+    return TURNS_HEAD + step_code + TURNS_TAIL
+
+
+# One thread replaying a reduce-overhead compiled module's forward and backward (argv[3]: the CUDA device).
+REPLAY_WORKER = in_turns_worker(r"""
+device = sys.argv[3]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).to(device)
+x = torch.randn(64, 256, device=device)
+compiled = torch.compile(model, mode="reduce-overhead")
+sync = torch.cuda.synchronize
+def step():
+    torch.compiler.cudagraph_mark_step_begin()
+    compiled(x).square().mean().backward()
+    model.zero_grad(set_to_none=True)  # the gradients are the graph's outputs: the next replay reuses their memory
+for _ in range(20):  # compile, warm up, record the forward and backward graphs, replay
+    step()
+""")
+
+# An eager forward and backward of 22 autograd nodes, after one compiled training step (which makes torchfix's
+# per-thread state): autograd copies torch's C++ thread-local stash in and out at every node, and from torch 2.13
+# torchfix keeps that state there.
+BACKWARD_WORKER = in_turns_worker(r"""
+torch.set_num_threads(1)
+torch.compile(torch.nn.Linear(4, 4), backend="aot_eager")(torch.ones(2, 4)).sum().backward()
+w = torch.randn(16, requires_grad=True)
+sync = lambda: None
+def step():
+    y = w
+    for _ in range(20):
+        y = y * 1.0001
+    y.sum().backward()
+""")
+
+
+def processes_in_turns(worker: str, args: list[str], steps: int, rounds: int) -> dict[str, object]:
+    """Steps per second of ``worker`` with torchfix and without (a process that never imports it), in turns (ABBA);
+    the median of the rounds' ratios with quartiles. A second process without torchfix runs in the same turns as a
+    control: its ratio to the first is what two identical processes differ by on this machine (the noise floor of
+    the row). Only one process runs at a time; the others wait on their pipes, and all run on one CPU: left to the
+    scheduler, each process landed on other cores and the control was several times as wide (docs/measured.md,
+    "Pinned to one core")."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
     cpu = str(max(os.sched_getaffinity(0)))
     imports_torchfix = {"with": True, "without": False, "control": False}
     workers = {
         label: subprocess.Popen(
-            [sys.executable, "-c", REPLAY_WORKER, "1" if installed else "0", device, cpu],
+            [sys.executable, "-c", worker, "1" if installed else "0", cpu, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -208,6 +234,18 @@ def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
         "rounds": rounds,
         "steps_per_block": steps,
     }
+
+
+def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
+    """``processes_in_turns`` of one thread replaying a ``reduce-overhead`` compiled module's forward and backward."""
+    if not device.startswith("cuda"):
+        return {"skipped": f"CUDA graphs need a CUDA device (--device cuda:0); this run's is {device}"}
+    return processes_in_turns(REPLAY_WORKER, [device], steps, rounds)
+
+
+def eager_backward(steps: int, rounds: int) -> dict[str, object]:
+    """``processes_in_turns`` of an eager forward and backward of 22 autograd nodes, on the CPU."""
+    return processes_in_turns(BACKWARD_WORKER, [], steps, rounds)
 
 
 def _import_seconds(code: str, repeats: int, **env: str) -> list[float]:
@@ -269,6 +307,7 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
         "compiled_module_call_work": work_per_call(lambda: compiled_module(x)),
         "flag_read": side_by_side(predicate, calls * 10, rounds),
         "cudagraph_replay": cudagraph_replay(device, *((20, 4) if quick else (500, 41))),
+        "eager_backward": eager_backward(*((20, 2) if quick else (500, 41))),
     }
     result.update(import_cost(repeats=1 if quick else 15))
     return result
@@ -276,7 +315,7 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
 
 def table(result: dict) -> str:
     lines = [f"torch {result['torch']}, fixes {result['fixes']}"]
-    for key in ("compiled_call", "compiled_module_call", "flag_read", "cudagraph_replay"):
+    for key in ("compiled_call", "compiled_module_call", "flag_read", "cudagraph_replay", "eager_backward"):
         r = result.get(key, {"skipped": "not measured"})
         if "with_torchfix_per_s" not in r:
             lines.append(f"{key:<20} {r.get('skipped') or r.get('failed')}")
