@@ -760,6 +760,6 @@ print(json.dumps({"namespaces": len(spaces), "entries_of_their_own": sum(torch._
 @pytest.mark.skipif(TORCH_VERSION.release < (2, 13), reason="torchfix keeps namespaces in torch's stash from 2.13")
 def test_a_threads_namespaces_are_one_entry_of_torchs_stash():
     """autograd copies the whole C++ stash at every node of a backward, so torchfix's per-thread namespaces
-    (ThreadSpaces) share one entry per thread: 27 entries, one each, made every node ~4 us slower (torch 2.13)."""
+    (ThreadSpaces) share one entry per thread (docs/measured.md, "An eager backward and the stash")."""
     seen = run_ok(ONE_STASH_ENTRY, forked="triggers").json()
     assert seen["namespaces"] > 5 and seen["entries_of_their_own"] == 0, seen
