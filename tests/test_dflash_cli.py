@@ -66,8 +66,8 @@ def _trainer(launcher: tuple[str, ...], fault: str) -> tuple[list[str], dict[str
 def run_cli(args: list[str], timeout: float = 240, launcher: tuple[str, ...] = (), fault: str = ""):
     """``python [launcher] -m dflash_train args``; ``launcher`` runs it under torchrun, for instance; ``fault``
     ('raise@drafter:2') arms a fault in it first. Forked (TRAINER_IMPORTS): without a launcher the run itself, which
-    no test of this helper sends a signal; with one, each process the launcher starts. Those that are sent signals
-    start fresh (start_training)."""
+    no test of this helper sends a signal; with one, each process the launcher starts. A run without a launcher that
+    is sent signals starts fresh (start_training): a forked child would keep its server's signal handling."""
     program, env = _trainer(launcher, fault)
     argv = [*program, *args]
     if not launcher:
