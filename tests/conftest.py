@@ -30,8 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 def pytest_configure(config: pytest.Config) -> None:
     # The project's bytecode, compiled once before the workers start, as pip compiles an installed package's: an
     # editable install has none, and where PYTHONDONTWRITEBYTECODE is set (this machine, CI's) every one of the
-    # suite's several hundred interpreters compiled torchfix, dflash_train and the benchmarks from source (a fresh
-    # clone's suite: 627 CPU s user without, 595 with).
+    # suite's several hundred interpreters compiled torchfix, dflash_train and the benchmarks from source.
     if not hasattr(config, "workerinput"):  # pytest-xdist's controller, or a run without workers
         for package in ("torchfix", "dflash_train", "bench", "tests"):
             compileall.compile_dir(REPO / package, quiet=1)
