@@ -149,10 +149,10 @@ class ThreadSpaces:
     (the device thread then sees no namespace).
 
     All of a thread's namespaces share one stash entry (``SPACES``, a dict by key): autograd copies the whole stash
-    into and out of the thread that runs each node of every backward, so each entry costs every node (an entry per
-    namespace made an eager backward 0.57x as fast: docs/measured.md, "An eager backward and the stash"). A namespace
-    made on the device thread while it runs a thread's backward goes into that thread's dict, where that thread sees
-    it, as it sees the namespaces it made itself and the device thread writes to.
+    into and out of the thread that runs each node of every backward, so each entry costs every node (docs/measured.md,
+    "An eager backward and the stash"). A namespace made on the device thread while it runs a thread's backward goes
+    into that thread's dict, where that thread sees it, as it sees the namespaces it made itself and the device thread
+    writes to.
 
     A read of the stash costs about 70 ns, a ``threading.local`` attribute about 30 ns: the per-thread holders read
     here only while some thread holds a value of its own (see ``patches.per_thread_class``).
