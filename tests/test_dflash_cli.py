@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import _test_env, fork_python, forked_python
+from conftest import _test_env, forked_python
 
 from dflash_train.__main__ import main
 
@@ -36,7 +36,7 @@ def _env() -> dict[str, str]:
 
 # What the trainer imports that takes its CPU seconds (torch's flex attention imports Dynamo; the torch.compile at
 # dflash_train.masks' import, Inductor's compile_fx and Dynamo's repro): a plain run, and each rank a launcher starts,
-# is forked from an interpreter that has imported them (conftest.fork_python, conftest.forked_python), ~7 CPU s less a
+# is forked from an interpreter that has imported them (conftest.forked_python), ~7 CPU s less a
 # process. Not torchfix nor dflash_train: the run imports them itself, torchfix first, as it does fresh. One
 # difference: the server's import of Dynamo fixed DynamoCache's folder (torch._dynamo.package, read only with
 # caching_precompile, off) under Inductor's default cache folder; every other read of TORCHINDUCTOR_CACHE_DIR is live,
@@ -53,26 +53,24 @@ TRAINER_IMPORTS = (
 WITH_FAULT = str(Path(__file__).parent / "dflash_with_fault.py")
 
 
-def _trainer(launcher: tuple[str, ...], fault: str) -> tuple[list[str], dict[str, str]]:
-    """What follows ``python`` to run the trainer, and its environment: a launcher's processes are forked
-    (conftest.forked_python) and get the signals the launcher sends, as fresh ones would."""
+def _trainer(launcher: tuple[str, ...], fault: str, forked: bool) -> tuple[list[str], dict[str, str]]:
+    """What follows ``python`` to run the trainer, and its environment. ``forked``: each trainer process (the run, or
+    each process the launcher starts) is forked from the server that has imported TRAINER_IMPORTS
+    (conftest.forked_python), through a client that passes on the signals it gets, as a fresh process gets them."""
     program = [WITH_FAULT, fault] if fault else ["-m", "dflash_train"]
-    if not launcher:
-        return program, _env()
+    if not forked:
+        return [*launcher, *program], _env()
     client, env = forked_python(TRAINER_IMPORTS)
     return [*launcher, *client, *program], {**_env(), **env}
 
 
 def run_cli(args: list[str], timeout: float = 240, launcher: tuple[str, ...] = (), fault: str = ""):
-    """``python [launcher] -m dflash_train args``; ``launcher`` runs it under torchrun, for instance; ``fault``
-    ('raise@drafter:2') arms a fault in it first. Forked (TRAINER_IMPORTS): without a launcher the run itself, which
-    no test of this helper sends a signal; with one, each process the launcher starts. A run without a launcher that
-    is sent signals starts fresh (start_training): a forked child would keep its server's signal handling."""
-    program, env = _trainer(launcher, fault)
-    argv = [*program, *args]
-    if not launcher:
-        return fork_python(argv, preload=TRAINER_IMPORTS, env=env, cwd=str(REPO), timeout=timeout)
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    """``python [launcher] -m dflash_train args``, forked (``_trainer``); ``launcher`` runs it under torchrun, for
+    instance; ``fault`` ('raise@drafter:2') arms a fault in it first."""
+    program, env = _trainer(launcher, fault, forked=True)
+    return subprocess.run(
+        [sys.executable, *program, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )  # fmt: skip
 
 
 def _default_sigint() -> None:
@@ -83,8 +81,9 @@ def _default_sigint() -> None:
 
 def start_training(args: list[str], metrics: Path, launcher: tuple[str, ...] = (), fault: str = "") -> subprocess.Popen:
     """Start ``python [launcher] -m dflash_train args`` (``fault``: as ``run_cli``'s) and return once ``metrics``
-    holds a training step."""
-    program, env = _trainer(launcher, fault)
+    holds a training step. Without a launcher, a fresh interpreter: the tests of the trainer's own signal handling
+    send it theirs."""
+    program, env = _trainer(launcher, fault, forked=bool(launcher))
     proc = subprocess.Popen(
         [sys.executable, "-u", *program, *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
