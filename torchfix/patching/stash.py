@@ -175,7 +175,7 @@ class ThreadSpaces:
         """The calling thread's namespace (the backward's thread's, on autograd's device thread), or None."""
         if self._local is not None:
             return getattr(self._local, "space", None)
-        spaces = self._stashed()
+        spaces = self._get(SPACES) if self._has(SPACES) else None  # _stashed() written out: no call on the read path
         return None if spaces is None else spaces.get(self._key)
 
     def make(self) -> types.SimpleNamespace:
