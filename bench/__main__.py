@@ -1,6 +1,6 @@
 """python -m bench [overhead] [coldstart] [firststep] [trainer] [cudagraphs] [cost] [equivalence] [instructions]
 [--device DEV]
-[--quick] [--out DIR]: print a table and write JSON per benchmark."""
+[--disable NAME,...] [--quick] [--out DIR]: print a table and write JSON per benchmark."""
 
 from __future__ import annotations
 
@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME,...",
         help="cost: also one run with each fix disabled in turn (those named, else every one the runs applied)",
     )
+    parser.add_argument(
+        "--disable",
+        action="append",
+        default=[],
+        metavar="NAME[,NAME...]",
+        help="overhead: one more process in the rows timed in turns, with TORCHFIX_DISABLE set to this (repeatable)",
+    )
     parser.add_argument("--profile", action="store_true", help="cost: also profile a few steps each way, op by op")
     parser.add_argument(
         "--resume", action="store_true", help="cost: go on with the runs an interrupted run recorded in OUT/cost-state"
@@ -69,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name in args.names or list(BENCHMARKS):
         options = {"device": args.device} if name in ("overhead", "coldstart", "firststep", "trainer") else {}
+        if name == "overhead":
+            options |= {"disabled": args.disable}
         if name == "trainer":
             options |= {"width": args.width, "counts": tuple(int(n) for n in args.counts.split(","))}
         if name == "firststep":

@@ -14,9 +14,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -114,7 +115,7 @@ def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
 # The workers of the rows timed in separate processes (``processes_in_turns``): ``python -c WORKER TORCHFIX CPU ...``
 # runs pinned to that one CPU, imports torchfix first where TORCHFIX is "1", prints "ready" and the Python and C
 # function calls of one step (counted, whatever the load), then for each line of stdin (a number of steps) the steps
-# per second.
+# per second and the main thread's CPU seconds a step (what the rate leaves out: time the step waits).
 TURNS_HEAD = r"""
 import os, sys, time
 os.sched_setaffinity(0, {int(sys.argv[2])})
@@ -136,11 +137,11 @@ print("ready", calls / 20, flush=True)
 for line in sys.stdin:
     steps = int(line)
     sync()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         step()
     sync()
-    print(steps / (time.perf_counter() - start), flush=True)
+    print(steps / (time.perf_counter() - start), (time.thread_time() - cpu) / steps, flush=True)
 """
 
 
@@ -181,45 +182,52 @@ def step():
 """)
 
 
-def processes_in_turns(worker: str, args: list[str], steps: int, rounds: int) -> dict[str, object]:
+def processes_in_turns(
+    worker: str, args: list[str], steps: int, rounds: int, disabled: Sequence[str] = ()
+) -> dict[str, object]:
     """Steps per second of ``worker`` with torchfix and without (a process that never imports it), in turns (ABBA);
     the median of the rounds' ratios with quartiles. A second process without torchfix runs in the same turns as a
     control: its ratio to the first is what two identical processes differ by on this machine (the noise floor of
-    the row). Only one process runs at a time; the others wait on their pipes, and all run on one CPU: left to the
-    scheduler, each process landed on other cores and the control was several times as wide (docs/measured.md,
-    "Pinned to one core")."""
+    the row). Each value of ``disabled`` adds a process with torchfix and ``TORCHFIX_DISABLE`` set to it, to place
+    a cost found. Only one process runs at a time; the others wait on their pipes, and all run on one CPU: left to
+    the scheduler, each process landed on other cores and the control was several times as wide (docs/measured.md,
+    "Pinned to one core"). Each process compiles into Inductor and Triton caches of its own, empty: with shared ones,
+    whichever process compiled first would leave the others loading its results, a path of their own."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    variants = {"with": {}, "without": None, "control": None}  # label -> TORCHFIX_ variables, or None: no torchfix
+    variants |= {f"disabled {value}": {"TORCHFIX_DISABLE": value} for value in disabled}
     cpu = str(max(os.sched_getaffinity(0)))
-    imports_torchfix = {"with": True, "without": False, "control": False}
-    workers = {
-        label: subprocess.Popen(
-            [sys.executable, "-c", worker, "1" if installed else "0", cpu, *args],
+    caches = tempfile.TemporaryDirectory(prefix="bench-in-turns-")
+    workers = {}
+    for number, (label, variables) in enumerate(variants.items()):
+        cache = Path(caches.name, str(number))
+        workers[label] = subprocess.Popen(
+            [sys.executable, "-c", worker, "0" if variables is None else "1", cpu, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=env,
+            env=env
+            | (variables or {})
+            | {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")},
         )
-        for label, installed in imports_torchfix.items()
-    }
     try:
         calls_per_step = {}
         for label, proc in workers.items():
             ready, _, calls = proc.stdout.readline().strip().partition(" ")
             if ready != "ready":
-                return {"failed": f"the worker {label} torchfix did not start"}
+                return {"failed": f"the worker {label} did not start"}
             calls_per_step[label] = float(calls)
 
-        def rate(label: str) -> float:
-            proc = workers[label]
-            proc.stdin.write(f"{steps}\n")
-            proc.stdin.flush()
-            return float(proc.stdout.readline())
-
         rates: dict[str, list[float]] = {label: [] for label in workers}
+        cpu_per_step: dict[str, list[float]] = {label: [] for label in workers}
         for round_no in range(rounds):
-            order = list(workers) if round_no % 2 == 0 else list(reversed(workers))
-            for label in order:
-                rates[label].append(rate(label))
+            for label in list(workers) if round_no % 2 == 0 else list(reversed(workers)):
+                proc = workers[label]
+                proc.stdin.write(f"{steps}\n")
+                proc.stdin.flush()
+                rate, cpu_seconds = map(float, proc.stdout.readline().split())
+                rates[label].append(rate)
+                cpu_per_step[label].append(cpu_seconds)
     finally:
         for proc in workers.values():
             proc.stdin.close()
@@ -227,25 +235,35 @@ def processes_in_turns(worker: str, args: list[str], steps: int, rounds: int) ->
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        caches.cleanup()
     return {
         **_ratios(rates),
         "calls_per_step_with_torchfix": calls_per_step["with"],
         "calls_per_step_without_torchfix": calls_per_step["without"],
+        "cpu_us_per_step": {label: 1e6 * statistics.median(seconds) for label, seconds in cpu_per_step.items()},
+        "disabled": {
+            label: {
+                "ratio": statistics.median(a / b for a, b in zip(rates[label], rates["without"])),
+                "calls_per_step": calls_per_step[label],
+            }
+            for label in workers
+            if label.startswith("disabled ")
+        },
         "rounds": rounds,
         "steps_per_block": steps,
     }
 
 
-def cudagraph_replay(device: str, steps: int, rounds: int) -> dict[str, object]:
+def cudagraph_replay(device: str, steps: int, rounds: int, disabled: Sequence[str] = ()) -> dict[str, object]:
     """``processes_in_turns`` of one thread replaying a ``reduce-overhead`` compiled module's forward and backward."""
     if not device.startswith("cuda"):
         return {"skipped": f"CUDA graphs need a CUDA device (--device cuda:0); this run's is {device}"}
-    return processes_in_turns(REPLAY_WORKER, [device], steps, rounds)
+    return processes_in_turns(REPLAY_WORKER, [device], steps, rounds, disabled)
 
 
-def eager_backward(steps: int, rounds: int) -> dict[str, object]:
+def eager_backward(steps: int, rounds: int, disabled: Sequence[str] = ()) -> dict[str, object]:
     """``processes_in_turns`` of an eager forward and backward of 22 autograd nodes, on the CPU."""
-    return processes_in_turns(BACKWARD_WORKER, [], steps, rounds)
+    return processes_in_turns(BACKWARD_WORKER, [], steps, rounds, disabled)
 
 
 def _import_seconds(code: str, repeats: int, **env: str) -> list[float]:
@@ -284,7 +302,8 @@ def import_cost(repeats: int) -> dict[str, float]:
     }
 
 
-def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
+def run(quick: bool = False, device: str = "cpu", disabled: Sequence[str] = ()) -> dict[str, object]:
+    """Every row; ``disabled``: values of ``TORCHFIX_DISABLE``, each an extra process in the rows timed in turns."""
     import torch
     import torch.fx._symbolic_trace as st
 
@@ -306,8 +325,8 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, object]:
         "compiled_module_call": side_by_side(lambda: compiled_module(x), calls, rounds),
         "compiled_module_call_work": work_per_call(lambda: compiled_module(x)),
         "flag_read": side_by_side(predicate, calls * 10, rounds),
-        "cudagraph_replay": cudagraph_replay(device, *((20, 4) if quick else (500, 41))),
-        "eager_backward": eager_backward(*((20, 2) if quick else (500, 41))),
+        "cudagraph_replay": cudagraph_replay(device, *((20, 4) if quick else (500, 41)), disabled),
+        "eager_backward": eager_backward(*((20, 2) if quick else (500, 41)), disabled),
     }
     result.update(import_cost(repeats=1 if quick else 15))
     return result
@@ -335,6 +354,12 @@ def table(result: dict) -> str:
                 else ""
             )
         )
+        for label, cpu_us in r.get("cpu_us_per_step", {}).items():
+            variant = r["disabled"].get(label)
+            lines.append(
+                f"  {label:<18} main thread's CPU {cpu_us:8.1f} us a step"
+                + (f"; ratio {variant['ratio']:.4f}, calls a step {variant['calls_per_step']:.0f}" if variant else "")
+            )
     for what, key in (("compiled call", "compiled_call_work"), ("compiled module call", "compiled_module_call_work")):
         work = result[key]
         lines.append(
