@@ -94,7 +94,8 @@ class _ForkServer:
     running: dict[tuple[tuple[str, ...], bool], _ForkServer] = {}
 
     def __init__(self, preload: tuple[str, ...], socket: bool) -> None:
-        self.socket = str(Path(tempfile.mkdtemp(prefix="fork-server-")) / "socket") if socket else None
+        self.folder = tempfile.TemporaryDirectory(prefix="fork-server-") if socket else None  # the socket's
+        self.socket = str(Path(self.folder.name) / "socket") if socket else None
         mode = ["--socket", self.socket] if socket else []
         self.process = subprocess.Popen(
             [sys.executable, "-c", self.source, *mode, *preload],
@@ -127,6 +128,8 @@ class _ForkServer:
     def stop(self) -> None:
         self.process.stdin.close()  # the server ends at the end of its input
         self.process.wait(60)
+        if self.folder is not None:
+            self.folder.cleanup()
 
 
 def fork_python(

@@ -20,10 +20,11 @@ from conftest import FIXES, HAS_H1, TORCH_VERSION, run_ok, run_python
 pytestmark = pytest.mark.xdist_group("bad-torch")
 
 PRELUDE = """
-import importlib, importlib.machinery, importlib.util, inspect, json, os, pathlib, py_compile, sys, tempfile, types
-import warnings
+import atexit, importlib, importlib.machinery, importlib.util, inspect, json, os, pathlib, py_compile, shutil, sys
+import tempfile, types, warnings
 SITE = pathlib.Path(importlib.util.find_spec("torch").submodule_search_locations[0]).parent
 TMP = pathlib.Path(tempfile.mkdtemp())
+atexit.register(shutil.rmtree, TMP)
 
 def redirect(module, relpath, edit=None, sourceless=False):
     # Load torch's `module` (its file: `relpath`, "torch/...") from a copy, edited by `edit`, or compiled only.

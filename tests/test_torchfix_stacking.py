@@ -10,7 +10,7 @@ from conftest import HAS_H1, TORCH_VERSION, run_ok
 # first return value, the other the second. Before patches stacked, the second compiled the file with
 # its own edit only, so applying it silently undid the first, and its verify() still passed.
 TWO_PATCHES_ON_ONE_FUNCTION = """
-import ast, json, sys, pathlib, tempfile
+import ast, json, pathlib, shutil, sys, tempfile
 folder = pathlib.Path(tempfile.mkdtemp())
 (folder / "stacked.py").write_text("def pair():\\n    return ('first', 'second')\\n\\ndef other():\\n    return 1\\n")
 sys.path.insert(0, str(folder))
@@ -48,6 +48,7 @@ except Exception as exc:
     seen["clash"] = type(exc).__name__
 seen["after_clash"] = stacked.pair()
 print(json.dumps(seen))
+shutil.rmtree(folder)
 """
 
 
@@ -123,7 +124,7 @@ print(json.dumps(seen))
 # must reach that live closure (swapped besides its outer function), and an edit of the decorated
 # function must reach it, not the wrapper that also comes from the file.
 SAME_FILE_DECORATOR = """
-import json, sys, pathlib, tempfile
+import json, pathlib, shutil, sys, tempfile
 folder = pathlib.Path(tempfile.mkdtemp())
 (folder / "decorated.py").write_text('''import functools
 
@@ -169,6 +170,7 @@ seen["body_edited"] = decorated.work(1)
 body.revert()
 seen["body_reverted"] = decorated.work(1)
 print(json.dumps(seen))
+shutil.rmtree(folder)
 """
 
 
@@ -232,7 +234,7 @@ def test_moved_globals_stay_in_the_module_dict_while_no_thread_holds_its_own():
 # A patch that fails while it moves a module's globals leaves the module as it was: the globals back in its dict, no
 # holder, no __getattr__. (Here the value a global holds at the install cannot be compared with its default.)
 MOVE_REFUSED = """
-import json, sys, pathlib, tempfile
+import json, pathlib, shutil, sys, tempfile
 folder = pathlib.Path(tempfile.mkdtemp())
 (folder / "moved.py").write_text("FLAG = False\\n\\ndef read():\\n    return FLAG\\n")
 sys.path.insert(0, str(folder))
@@ -252,6 +254,7 @@ try:
 except RuntimeError as exc:
     error = str(exc)
 print(json.dumps({"error": error, "module as before": vars(moved) == before, "reads": moved.read() is stuck}))
+shutil.rmtree(folder)
 """
 
 
