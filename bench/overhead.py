@@ -2,7 +2,8 @@
 side in one process (alternating blocks, torchfix uninstalled and reinstalled between them, and a control block
 without it), the time ``import torchfix`` adds (fresh interpreters), and in three worker processes taking turns (one
 with torchfix and two that never import it, whose ratio is the row's noise floor) an eager backward's rate and on CUDA
-the replay rate of a ``reduce-overhead`` compiled module, with their Python and C calls per step, counted.
+the replay rate of a ``reduce-overhead`` compiled module, with the calls of a step counted (on Python 3.12+ in every
+thread, with its bytecode instructions); ``--disable`` adds a process with some fixes disabled, to place a cost.
 
 Goal: every rate with torchfix / without >= 0.995; ``import torchfix`` after torch <= 50 ms.
 """
@@ -113,9 +114,10 @@ def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
 
 
 # The workers of the rows timed in separate processes (``processes_in_turns``): ``python -c WORKER TORCHFIX CPU ...``
-# runs pinned to that one CPU, imports torchfix first where TORCHFIX is "1", prints "ready" and the Python and C
-# function calls of one step (counted, whatever the load), then for each line of stdin (a number of steps) the steps
-# per second and the main thread's CPU seconds a step (what the rate leaves out: time the step waits).
+# runs pinned to that one CPU, imports torchfix first where TORCHFIX is "1", prints "ready" with the calls and the
+# bytecode instructions of one step (counted, whatever the load; -1 where not counted), then for each line of stdin (a
+# number of steps) the steps per second and the main thread's CPU seconds a step (what the rate leaves out: time the
+# step waits).
 TURNS_HEAD = r"""
 import os, sys, time
 os.sched_setaffinity(0, {int(sys.argv[2])})
@@ -124,16 +126,35 @@ if sys.argv[1] == "1":
 import torch
 """
 TURNS_TAIL = r"""
-calls = 0
-def count(frame, event, arg):
-    global calls
-    calls += event in ("call", "c_call")
-sys.setprofile(count)
-for _ in range(20):
-    step()
-sys.setprofile(None)
-sync()
-print("ready", calls / 20, flush=True)
+calls, instructions = 0, None
+if hasattr(sys, "monitoring"):  # Python 3.12+: in every thread (a CUDA backward runs in autograd's own)
+    def on_call(code, offset, callee, arg0):
+        global calls
+        calls += 1
+    def on_instruction(code, offset):
+        global instructions
+        instructions += 1
+    instructions, monitoring = 0, sys.monitoring
+    tool, events = monitoring.PROFILER_ID, monitoring.events
+    monitoring.use_tool_id(tool, "bench")
+    monitoring.register_callback(tool, events.CALL, on_call)
+    monitoring.register_callback(tool, events.INSTRUCTION, on_instruction)
+    monitoring.set_events(tool, events.CALL | events.INSTRUCTION)
+    for _ in range(20):
+        step()
+    sync()
+    monitoring.set_events(tool, 0)
+    monitoring.free_tool_id(tool)
+else:  # the calls of this thread only (no count of instructions)
+    def count(frame, event, arg):
+        global calls
+        calls += event in ("call", "c_call")
+    sys.setprofile(count)
+    for _ in range(20):
+        step()
+    sys.setprofile(None)
+    sync()
+print("ready", calls / 20, -1 if instructions is None else instructions / 20, flush=True)
 for line in sys.stdin:
     steps = int(line)
     sync()
@@ -211,12 +232,14 @@ def processes_in_turns(
             | {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")},
         )
     try:
-        calls_per_step = {}
+        calls_per_step, instructions_per_step = {}, {}  # instructions: None where not counted (Python < 3.12)
         for label, proc in workers.items():
-            ready, _, calls = proc.stdout.readline().strip().partition(" ")
-            if ready != "ready":
+            ready = proc.stdout.readline().split()
+            if ready[:1] != ["ready"]:
                 return {"failed": f"the worker {label} did not start"}
+            _, calls, instructions = ready
             calls_per_step[label] = float(calls)
+            instructions_per_step[label] = None if instructions == "-1" else float(instructions)
 
         rates: dict[str, list[float]] = {label: [] for label in workers}
         cpu_per_step: dict[str, list[float]] = {label: [] for label in workers}
@@ -240,11 +263,15 @@ def processes_in_turns(
         **_ratios(rates),
         "calls_per_step_with_torchfix": calls_per_step["with"],
         "calls_per_step_without_torchfix": calls_per_step["without"],
+        "instructions_per_step_with_torchfix": instructions_per_step["with"],
+        "instructions_per_step_without_torchfix": instructions_per_step["without"],
+        "counted_in": "every thread" if instructions_per_step["with"] is not None else "the main thread",
         "cpu_us_per_step": {label: 1e6 * statistics.median(seconds) for label, seconds in cpu_per_step.items()},
         "disabled": {
             label: {
                 "ratio": statistics.median(a / b for a, b in zip(rates[label], rates["without"])),
                 "calls_per_step": calls_per_step[label],
+                "instructions_per_step": instructions_per_step[label],
             }
             for label in workers
             if label.startswith("disabled ")
@@ -350,6 +377,13 @@ def table(result: dict) -> str:
             + (
                 f"; calls a step {r['calls_per_step_with_torchfix']:.0f} with, "
                 f"{r['calls_per_step_without_torchfix']:.0f} without"
+                + (
+                    f", bytecode instructions {r['instructions_per_step_with_torchfix']:.0f} with, "
+                    f"{r['instructions_per_step_without_torchfix']:.0f} without"
+                    if r["instructions_per_step_with_torchfix"] is not None
+                    else ""
+                )
+                + f" ({r['counted_in']})"
                 if "calls_per_step_with_torchfix" in r
                 else ""
             )
@@ -359,6 +393,11 @@ def table(result: dict) -> str:
             lines.append(
                 f"  {label:<18} main thread's CPU {cpu_us:8.1f} us a step"
                 + (f"; ratio {variant['ratio']:.4f}, calls a step {variant['calls_per_step']:.0f}" if variant else "")
+                + (
+                    f", instructions {variant['instructions_per_step']:.0f}"
+                    if variant and variant["instructions_per_step"] is not None
+                    else ""
+                )
             )
     for what, key in (("compiled call", "compiled_call_work"), ("compiled module call", "compiled_module_call_work")):
         work = result[key]
