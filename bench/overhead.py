@@ -204,7 +204,7 @@ def step():
 
 
 def processes_in_turns(
-    worker: str, args: list[str], steps: int, rounds: int, disabled: Sequence[str] = ()
+    worker: str, args: list[str], steps: int, rounds: int, disabled: Sequence[str] = (), sets: int = 1
 ) -> dict[str, object]:
     """Steps per second of ``worker`` with torchfix and without (a process that never imports it), in turns (ABBA);
     the median of the rounds' ratios with quartiles. A second process without torchfix runs in the same turns as a
@@ -213,10 +213,58 @@ def processes_in_turns(
     a cost found. Only one process runs at a time; the others wait on their pipes, and all run on one CPU: left to
     the scheduler, each process landed on other cores and the control was several times as wide (docs/measured.md,
     "Pinned to one core"). Each process compiles into Inductor and Triton caches of its own, empty: with shared ones,
-    whichever process compiled first would leave the others loading its results, a path of their own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
+    whichever process compiled first would leave the others loading its results, a path of their own.
+
+    ``sets``: that many sets of processes, one after another, their rounds pooled, and each set's ratios reported:
+    two identical processes can differ by more than torchfix's cost (docs/measured.md, "The replay, set by set")."""
     variants = {"with": {}, "without": None, "control": None}  # label -> TORCHFIX_ variables, or None: no torchfix
     variants |= {f"disabled {value}": {"TORCHFIX_DISABLE": value} for value in disabled}
+    rates: dict[str, list[float]] = {label: [] for label in variants}
+    cpu_per_step: dict[str, list[float]] = {label: [] for label in variants}
+    set_ratios, set_controls = [], []
+    for _ in range(sets):
+        try:
+            counted, set_rates, set_cpu = _one_set(worker, args, steps, rounds, variants)
+        except RuntimeError as exc:
+            return {"failed": str(exc)}
+        for label in variants:
+            rates[label] += set_rates[label]
+            cpu_per_step[label] += set_cpu[label]
+        set_ratios.append(statistics.median(a / b for a, b in zip(set_rates["with"], set_rates["without"])))
+        set_controls.append(statistics.median(c / b for c, b in zip(set_rates["control"], set_rates["without"])))
+    calls_per_step = {label: calls for label, (calls, _) in counted.items()}
+    instructions_per_step = {label: instructions for label, (_, instructions) in counted.items()}
+    return {
+        **_ratios(rates),
+        "set_ratios": set_ratios,
+        "set_control_ratios": set_controls,
+        "calls_per_step_with_torchfix": calls_per_step["with"],
+        "calls_per_step_without_torchfix": calls_per_step["without"],
+        "instructions_per_step_with_torchfix": instructions_per_step["with"],
+        "instructions_per_step_without_torchfix": instructions_per_step["without"],
+        "counted_in": "every thread" if instructions_per_step["with"] is not None else "the main thread",
+        "cpu_us_per_step": {label: 1e6 * statistics.median(seconds) for label, seconds in cpu_per_step.items()},
+        "disabled": {
+            label: {
+                "ratio": statistics.median(a / b for a, b in zip(rates[label], rates["without"])),
+                "calls_per_step": calls_per_step[label],
+                "instructions_per_step": instructions_per_step[label],
+            }
+            for label in variants
+            if label.startswith("disabled ")
+        },
+        "sets": sets,
+        "rounds": rounds,
+        "steps_per_block": steps,
+    }
+
+
+def _one_set(
+    worker: str, args: list[str], steps: int, rounds: int, variants: dict[str, dict[str, str] | None]
+) -> tuple[dict[str, tuple[float, float | None]], dict[str, list[float]], dict[str, list[float]]]:
+    """One set of ``processes_in_turns``: each process's calls and bytecode instructions a step (None: not counted,
+    Python < 3.12), and per label the rounds' rates and main-thread CPU seconds a step."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
     cpu = str(max(os.sched_getaffinity(0)))
     caches = tempfile.TemporaryDirectory(prefix="bench-in-turns-")
     workers = {}
@@ -232,15 +280,13 @@ def processes_in_turns(
             | {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")},
         )
     try:
-        calls_per_step, instructions_per_step = {}, {}  # instructions: None where not counted (Python < 3.12)
+        counted = {}
         for label, proc in workers.items():
             ready = proc.stdout.readline().split()
             if ready[:1] != ["ready"]:
-                return {"failed": f"the worker {label} did not start"}
+                raise RuntimeError(f"the worker {label} did not start")
             _, calls, instructions = ready
-            calls_per_step[label] = float(calls)
-            instructions_per_step[label] = None if instructions == "-1" else float(instructions)
-
+            counted[label] = (float(calls), None if instructions == "-1" else float(instructions))
         rates: dict[str, list[float]] = {label: [] for label in workers}
         cpu_per_step: dict[str, list[float]] = {label: [] for label in workers}
         for round_no in range(rounds):
@@ -259,38 +305,21 @@ def processes_in_turns(
             except subprocess.TimeoutExpired:
                 proc.kill()
         caches.cleanup()
-    return {
-        **_ratios(rates),
-        "calls_per_step_with_torchfix": calls_per_step["with"],
-        "calls_per_step_without_torchfix": calls_per_step["without"],
-        "instructions_per_step_with_torchfix": instructions_per_step["with"],
-        "instructions_per_step_without_torchfix": instructions_per_step["without"],
-        "counted_in": "every thread" if instructions_per_step["with"] is not None else "the main thread",
-        "cpu_us_per_step": {label: 1e6 * statistics.median(seconds) for label, seconds in cpu_per_step.items()},
-        "disabled": {
-            label: {
-                "ratio": statistics.median(a / b for a, b in zip(rates[label], rates["without"])),
-                "calls_per_step": calls_per_step[label],
-                "instructions_per_step": instructions_per_step[label],
-            }
-            for label in workers
-            if label.startswith("disabled ")
-        },
-        "rounds": rounds,
-        "steps_per_block": steps,
-    }
+    return counted, rates, cpu_per_step
 
 
-def cudagraph_replay(device: str, steps: int, rounds: int, disabled: Sequence[str] = ()) -> dict[str, object]:
+def cudagraph_replay(
+    device: str, steps: int, rounds: int, disabled: Sequence[str] = (), sets: int = 1
+) -> dict[str, object]:
     """``processes_in_turns`` of one thread replaying a ``reduce-overhead`` compiled module's forward and backward."""
     if not device.startswith("cuda"):
         return {"skipped": f"CUDA graphs need a CUDA device (--device cuda:0); this run's is {device}"}
-    return processes_in_turns(REPLAY_WORKER, [device], steps, rounds, disabled)
+    return processes_in_turns(REPLAY_WORKER, [device], steps, rounds, disabled, sets)
 
 
-def eager_backward(steps: int, rounds: int, disabled: Sequence[str] = ()) -> dict[str, object]:
+def eager_backward(steps: int, rounds: int, disabled: Sequence[str] = (), sets: int = 1) -> dict[str, object]:
     """``processes_in_turns`` of an eager forward and backward of 22 autograd nodes, on the CPU."""
-    return processes_in_turns(BACKWARD_WORKER, [], steps, rounds, disabled)
+    return processes_in_turns(BACKWARD_WORKER, [], steps, rounds, disabled, sets)
 
 
 def _import_seconds(code: str, repeats: int, **env: str) -> list[float]:
@@ -352,8 +381,8 @@ def run(quick: bool = False, device: str = "cpu", disabled: Sequence[str] = ()) 
         "compiled_module_call": side_by_side(lambda: compiled_module(x), calls, rounds),
         "compiled_module_call_work": work_per_call(lambda: compiled_module(x)),
         "flag_read": side_by_side(predicate, calls * 10, rounds),
-        "cudagraph_replay": cudagraph_replay(device, *((20, 4) if quick else (500, 41)), disabled),
-        "eager_backward": eager_backward(*((20, 2) if quick else (500, 41)), disabled),
+        "cudagraph_replay": cudagraph_replay(device, *((20, 4, disabled, 1) if quick else (500, 41, disabled, 3))),
+        "eager_backward": eager_backward(*((20, 2, disabled, 1) if quick else (500, 41, disabled, 3))),
     }
     result.update(import_cost(repeats=1 if quick else 15))
     return result
@@ -385,6 +414,12 @@ def table(result: dict) -> str:
                 )
                 + f" ({r['counted_in']})"
                 if "calls_per_step_with_torchfix" in r
+                else ""
+            )
+            + (
+                f"; each set of processes: {', '.join(f'{ratio:.4f}' for ratio in r['set_ratios'])} (controls "
+                f"{', '.join(f'{ratio:.4f}' for ratio in r['set_control_ratios'])})"
+                if r.get("sets", 1) > 1
                 else ""
             )
         )
