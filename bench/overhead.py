@@ -11,6 +11,7 @@ Goal: every rate with torchfix / without >= 0.995; ``import torchfix`` after tor
 from __future__ import annotations
 
 import compileall
+import json
 import os
 import statistics
 import subprocess
@@ -115,9 +116,9 @@ def work_per_call(fn: Callable[[], object]) -> dict[str, int]:
 
 # The workers of the rows timed in separate processes (``processes_in_turns``): ``python -c WORKER TORCHFIX CPU ...``
 # runs pinned to that one CPU, imports torchfix first where TORCHFIX is "1", prints "ready" with the calls and the
-# bytecode instructions of one step (counted, whatever the load; -1 where not counted), then for each line of stdin (a
-# number of steps) the steps per second and the main thread's CPU seconds a step (what the rate leaves out: time the
-# step waits).
+# bytecode instructions of one step (counted, whatever the load; -1 where not counted) and, as JSON, its instructions
+# by function, then for each line of stdin (a number of steps) the steps per second and the main thread's CPU
+# seconds a step (what the rate leaves out: time the step waits).
 TURNS_HEAD = r"""
 import os, sys, time
 os.sched_setaffinity(0, {int(sys.argv[2])})
@@ -126,15 +127,15 @@ if sys.argv[1] == "1":
 import torch
 """
 TURNS_TAIL = r"""
-calls, instructions = 0, None
+import collections, json
+calls, by_code = 0, collections.Counter()  # by_code: bytecode instructions by code object (Python 3.12+)
 if hasattr(sys, "monitoring"):  # Python 3.12+: in every thread (a CUDA backward runs in autograd's own)
     def on_call(code, offset, callee, arg0):
         global calls
         calls += 1
     def on_instruction(code, offset):
-        global instructions
-        instructions += 1
-    instructions, monitoring = 0, sys.monitoring
+        by_code[code] += 1
+    monitoring = sys.monitoring
     tool, events = monitoring.PROFILER_ID, monitoring.events
     monitoring.use_tool_id(tool, "bench")
     monitoring.register_callback(tool, events.CALL, on_call)
@@ -154,7 +155,16 @@ else:  # the calls of this thread only (no count of instructions)
         step()
     sys.setprofile(None)
     sync()
-print("ready", calls / 20, -1 if instructions is None else instructions / 20, flush=True)
+def function(code):  # a name both processes give it: Inductor's output files are named by hashes of their own
+    path = code.co_filename
+    if path.startswith(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "\0"):
+        path = "<Inductor's output>"
+    return f"{path.rpartition('site-packages/')[2]}:{code.co_qualname}"
+by_function = collections.Counter()
+for code, count in by_code.items():
+    by_function[function(code)] += count / 20
+instructions = sum(by_function.values()) if by_code else -1
+print("ready", calls / 20, instructions, json.dumps(by_function), flush=True)
 for line in sys.stdin:
     steps = int(line)
     sync()
@@ -232,8 +242,8 @@ def processes_in_turns(
             cpu_per_step[label] += set_cpu[label]
         set_ratios.append(statistics.median(a / b for a, b in zip(set_rates["with"], set_rates["without"])))
         set_controls.append(statistics.median(c / b for c, b in zip(set_rates["control"], set_rates["without"])))
-    calls_per_step = {label: calls for label, (calls, _) in counted.items()}
-    instructions_per_step = {label: instructions for label, (_, instructions) in counted.items()}
+    calls_per_step = {label: calls for label, (calls, _, _) in counted.items()}
+    instructions_per_step = {label: instructions for label, (_, instructions, _) in counted.items()}
     return {
         **_ratios(rates),
         "set_ratios": set_ratios,
@@ -243,6 +253,7 @@ def processes_in_turns(
         "instructions_per_step_with_torchfix": instructions_per_step["with"],
         "instructions_per_step_without_torchfix": instructions_per_step["without"],
         "counted_in": "every thread" if instructions_per_step["with"] is not None else "the main thread",
+        "added_by_function": added_by_function(counted["with"][2], counted["without"][2]),
         "cpu_us_per_step": {label: 1e6 * statistics.median(seconds) for label, seconds in cpu_per_step.items()},
         "disabled": {
             label: {
@@ -259,11 +270,20 @@ def processes_in_turns(
     }
 
 
+def added_by_function(with_fix: dict[str, float], without: dict[str, float], most: int = 15) -> dict[str, float]:
+    """Where the bytecode instructions a step with torchfix differs from one without, by function (``file:qualname``),
+    the largest differences first (at most ``most``; none under half an instruction a step)."""
+    differences = {name: with_fix.get(name, 0) - without.get(name, 0) for name in with_fix.keys() | without.keys()}
+    largest = sorted(differences.items(), key=lambda item: -abs(item[1]))[:most]
+    return {name: difference for name, difference in largest if abs(difference) >= 0.5}
+
+
 def _one_set(
     worker: str, args: list[str], steps: int, rounds: int, variants: dict[str, dict[str, str] | None]
-) -> tuple[dict[str, tuple[float, float | None]], dict[str, list[float]], dict[str, list[float]]]:
+) -> tuple[dict[str, tuple[float, float | None, dict[str, float]]], dict[str, list[float]], dict[str, list[float]]]:
     """One set of ``processes_in_turns``: each process's calls and bytecode instructions a step (None: not counted,
-    Python < 3.12), and per label the rounds' rates and main-thread CPU seconds a step."""
+    Python < 3.12) and its instructions a step by function, and per label the rounds' rates and main-thread CPU
+    seconds a step."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHFIX_")}
     cpu = str(max(os.sched_getaffinity(0)))
     caches = tempfile.TemporaryDirectory(prefix="bench-in-turns-")
@@ -282,11 +302,12 @@ def _one_set(
     try:
         counted = {}
         for label, proc in workers.items():
-            ready = proc.stdout.readline().split()
+            ready = proc.stdout.readline().split(maxsplit=3)
             if ready[:1] != ["ready"]:
                 raise RuntimeError(f"the worker {label} did not start")
-            _, calls, instructions = ready
-            counted[label] = (float(calls), None if instructions == "-1" else float(instructions))
+            _, calls, instructions, by_function = ready
+            instructions = None if instructions == "-1" else float(instructions)
+            counted[label] = (float(calls), instructions, json.loads(by_function))
         rates: dict[str, list[float]] = {label: [] for label in workers}
         cpu_per_step: dict[str, list[float]] = {label: [] for label in workers}
         for round_no in range(rounds):
@@ -434,6 +455,9 @@ def table(result: dict) -> str:
                     else ""
                 )
             )
+        added = r.get("added_by_function", {})
+        lines += ["  bytecode instructions a step with torchfix less without, by function:"] if added else []
+        lines += [f"    {difference:+8.1f}  {name}" for name, difference in added.items()]
     for what, key in (("compiled call", "compiled_call_work"), ("compiled module call", "compiled_module_call_work")):
         work = result[key]
         lines.append(

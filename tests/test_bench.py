@@ -183,6 +183,26 @@ def test_one_thread_sees_torch_as_without_torchfix(tmp_path):
     assert len(result["fixes_with_patched_code"]) >= len(supported) - 2, (supported, result["fixes_with_patched_code"])
 
 
+def test_the_workers_in_turns_count_a_step_and_tell_where_the_instructions_go():
+    """The protocol of ``bench overhead``'s workers timed in turns, with a step of plain Python (no torch): the ready
+    line's calls, instructions (-1 before Python 3.12) and instructions by function, then a rate for each request."""
+    from bench.overhead import TURNS_TAIL, added_by_function
+
+    step = "import os, sys, time\ndef step():\n    return sorted(range(5))\nsync = lambda: None\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", step + TURNS_TAIL], input="10\n", capture_output=True, text=True, timeout=60
+    )
+    ready, rate = proc.stdout.splitlines()
+    word, calls, instructions, by_function = ready.split(maxsplit=3)
+    assert word == "ready" and float(calls) >= 1 and float(rate.split()[0]) > 0, proc.stdout
+    by_function = json.loads(by_function)
+    if sys.version_info >= (3, 12):
+        assert float(instructions) == pytest.approx(sum(by_function.values())) and "<string>:step" in by_function
+    else:
+        assert instructions == "-1" and by_function == {}
+    assert added_by_function({"a": 10, "b": 1.2, "c": 3}, {"a": 4, "b": 1.0, "d": 2}) == {"a": 6, "c": 3, "d": -2}
+
+
 def test_instructions_reads_the_count_of_the_window_it_switched_on():
     from bench.instructions import total
 
