@@ -161,8 +161,8 @@ def function(code):  # a name both processes give it: Inductor's output files ar
         path = "<Inductor's output>"
     return f"{path.rpartition('site-packages/')[2]}:{code.co_qualname}"
 by_function = collections.Counter()
-for code, count in by_code.items():
-    by_function[function(code)] += count / 20
+for code, executed in by_code.items():
+    by_function[function(code)] += executed / 20
 instructions = sum(by_function.values()) if by_code else -1
 print("ready", calls / 20, instructions, json.dumps(by_function), flush=True)
 for line in sys.stdin:
