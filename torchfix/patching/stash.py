@@ -167,28 +167,26 @@ class ThreadSpaces:
         self._local = None if in_stash else threading.local()
         self._has, self._get = getattr(C, "_is_key_in_tls", None), getattr(C, "_get_obj_in_tls", None)
 
-    def _stashed(self) -> dict[str, types.SimpleNamespace] | None:
-        """The calling thread's namespaces by key, from the stash (None before its first, or once released)."""
-        return self._get(SPACES) if self._has(SPACES) else None
-
     def get(self) -> types.SimpleNamespace | None:
         """The calling thread's namespace (the backward's thread's, on autograd's device thread), or None."""
         if self._local is not None:
             return getattr(self._local, "space", None)
-        spaces = self._get(SPACES) if self._has(SPACES) else None  # _stashed() written out: no call on the read path
+        spaces = self._get(SPACES) if self._has(SPACES) else None
         return None if spaces is None else spaces.get(self._key)
 
     def make(self) -> types.SimpleNamespace:
-        """The calling thread's namespace, made empty if it has none."""
-        space = self.get()
+        """The calling thread's namespace, made empty if it has none. (The read of a per-thread object runs it every
+        time: the stash is read once, with no call of ``get``.)"""
+        if self._local is not None:
+            space = getattr(self._local, "space", None)
+            if space is None:
+                space = self._local.space = types.SimpleNamespace()
+            return space
+        spaces = self._get(SPACES) if self._has(SPACES) else None
+        if spaces is None:  # the thread's first namespace
+            spaces = {}
+            stash_until_thread_end(SPACES, spaces)
+        space = spaces.get(self._key)
         if space is None:
-            space = types.SimpleNamespace()
-            if self._local is not None:
-                self._local.space = space
-            else:
-                spaces = self._stashed()
-                if spaces is None:
-                    spaces = {}
-                    stash_until_thread_end(SPACES, spaces)
-                spaces[self._key] = space
+            space = spaces[self._key] = types.SimpleNamespace()
         return space
