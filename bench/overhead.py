@@ -387,6 +387,7 @@ def run(quick: bool = False, device: str = "cpu", disabled: Sequence[str] = ()) 
     import torchfix
 
     calls, rounds = (200, 4) if quick else (2000, 201)
+    steps, sets = (20, 1) if quick else (500, 3)  # of the rows timed in turns: steps a block, sets of processes
     x = torch.ones(4)
     compiled = torch.compile(lambda t: t + 1, backend="eager")
     compiled(x)
@@ -402,8 +403,8 @@ def run(quick: bool = False, device: str = "cpu", disabled: Sequence[str] = ()) 
         "compiled_module_call": side_by_side(lambda: compiled_module(x), calls, rounds),
         "compiled_module_call_work": work_per_call(lambda: compiled_module(x)),
         "flag_read": side_by_side(predicate, calls * 10, rounds),
-        "cudagraph_replay": cudagraph_replay(device, *((20, 4, disabled, 1) if quick else (500, 41, disabled, 3))),
-        "eager_backward": eager_backward(*((20, 2, disabled, 1) if quick else (500, 41, disabled, 3))),
+        "cudagraph_replay": cudagraph_replay(device, steps, 4 if quick else 41, disabled, sets),
+        "eager_backward": eager_backward(steps, 2 if quick else 41, disabled, sets),
     }
     result.update(import_cost(repeats=1 if quick else 15))
     return result
