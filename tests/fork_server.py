@@ -97,17 +97,19 @@ def unbuffered(stream: io.TextIOWrapper) -> io.TextIOWrapper:
     return io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, write_through=True)
 
 
-def run_child(argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int], started: dict) -> None:
-    """In the forked child: what `python *argv` does on the file descriptors ``stdio``, then os._exit (never
-    returns). ``started``: how fork_client.py's python was started (-u, SIGINT ignored), where it stands in."""
+def run_child(request: dict, stdio: tuple[int, int, int]) -> None:
+    """In the forked child: what `python *argv` does in the request's environment and folder, on the file descriptors
+    ``stdio``, then os._exit (never returns). From fork_client.py, the request also says how its python was started
+    (-u, SIGINT ignored), where the child stands in."""
+    argv, env = request["argv"], request["env"]
     os.setpgid(0, 0)  # its own process group: a timeout kills what it started too
-    if "sigint_ignored" in started:
-        signal.signal(signal.SIGINT, signal.SIG_IGN if started["sigint_ignored"] else signal.default_int_handler)
+    if "sigint_ignored" in request:
+        signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
     for fd, target in zip(stdio, (0, 1, 2)):
         os.dup2(fd, target)
-    if started.get("unbuffered"):  # python -u, as torchrun starts its ranks: nothing written waits in a buffer
+    if request.get("unbuffered"):  # python -u, as torchrun starts its ranks: nothing written waits in a buffer
         sys.stdout, sys.stderr = (unbuffered(stream) for stream in (sys.stdout, sys.stderr))
-    os.chdir(cwd)
+    os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(env)
     omp_threads = env.get("OMP_NUM_THREADS", "")
@@ -147,7 +149,7 @@ def fork(request: dict, stdio: tuple[int, int, int], keep: tuple = ()) -> int:
     if pid == 0:
         for held in keep:
             held.close()
-        run_child(request["argv"], request["env"], request["cwd"], stdio, request)
+        run_child(request, stdio)
     try:
         os.setpgid(pid, pid)  # as the child does: whichever runs first
     except OSError:
