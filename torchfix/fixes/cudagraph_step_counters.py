@@ -71,16 +71,23 @@ BY_TORCH = Steps()
 UNCOUNTED = Steps()  # every thread's until its first CUDA graph: increments no tree reads
 
 
-# A class default, so the increment needs no call in any thread; the device thread reaches a thread's Steps through
-# the stash (steps_of_this_work), not through this.
-THREAD_STEPS = per_thread_class("ThreadSteps", {"steps": UNCOUNTED}, {}, seen_in_backward=False)()
+# Class defaults, so that neither the increment nor a read needs a call in any thread. ``steps`` is what torch's
+# per-call increment writes to; ``own`` is set only in a thread that made its Steps for its own work, where it is
+# the Steps of its stash too, and lets the trees' reads there skip the C stash (they read several times a replay).
+# Autograd's device thread reaches a thread's Steps through the stash (_steps_from_stash), not through these.
+THREAD_STEPS = per_thread_class("ThreadSteps", {"steps": UNCOUNTED, "own": None}, {}, seen_in_backward=False)()
 
 
 def steps_of_this_work() -> Steps:
-    """The counters of the thread whose work runs now: the calling thread's, or on autograd's device
-    thread those of the thread whose backward it runs (the C++ stash is inherited from that thread). The trees
-    call it several times per replay: one C call on that path (a thread's first call pays for a C++ exception
-    instead), modules from ``sys.modules`` (both are imported by then), no import."""
+    """The counters of the thread whose work runs now: the calling thread's, or on autograd's device thread those
+    of the thread whose backward it runs."""
+    return THREAD_STEPS.own or _steps_from_stash()
+
+
+def _steps_from_stash() -> Steps:
+    """``steps_of_this_work()`` through the C++ stash, which autograd's device thread inherits from the thread whose
+    backward it runs: one C call (a thread's first pays for a C++ exception instead), modules from ``sys.modules``
+    (both are imported by then), no import."""
     c = sys.modules["torch"]._C
     try:
         return c._get_obj_in_tls(KEY)
@@ -93,16 +100,21 @@ def steps_of_this_work() -> Steps:
     steps = Steps(generation=BY_TORCH.generation)
     stash_until_thread_end(KEY, steps)
     THREAD_STEPS.steps = steps
+    # Outside a backward the stash is the thread's own: autograd's device thread runs Python only inside a backward
+    # (of another thread's). A thread whose first read comes in its own backward reads through the stash, as before.
+    if c._current_graph_task_id() == -1:
+        THREAD_STEPS.own = steps
     return steps
 
 
 # The two readers below add what code other than torch's own changed the class attribute by (the attribute less
-# BY_TORCH's count), written out in each: the trees read them several times per replay.
+# BY_TORCH's count), written out in each, with steps_of_this_work() inlined: the trees read them several times per
+# replay.
 
 
 def mark_step_counter_of_this_work() -> int:
     """``MarkStepBox.mark_step_counter`` as the trees of the thread whose work runs now see it."""
-    own = steps_of_this_work().mark_step_counter
+    own = (THREAD_STEPS.own or _steps_from_stash()).mark_step_counter
     if not COUNTS_ARE_EXACT:
         return own
     return own + sys.modules[TREES].MarkStepBox.mark_step_counter - BY_TORCH.mark_step_counter
@@ -110,7 +122,7 @@ def mark_step_counter_of_this_work() -> int:
 
 def generation_of_this_work() -> int:
     """``GenerationTracker.generation`` as the trees of the thread whose work runs now see it."""
-    own = steps_of_this_work().generation
+    own = (THREAD_STEPS.own or _steps_from_stash()).generation
     if not COUNTS_ARE_EXACT:
         return own
     return own + sys.modules[GUARD].GenerationTracker.generation - BY_TORCH.generation
