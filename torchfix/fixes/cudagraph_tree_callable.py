@@ -53,9 +53,18 @@ class PerTree:
     def __init__(self) -> None:
         self._make: Callable[[list], Callable] | None = None
         self._device_index = -1
-        # Keyed weakly by the tree's container: a thread that ends takes its trees and their callables along.
-        self._by_tree: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # By a weak reference to the tree's container (a thread that ends takes its trees and their callables
+        # along): a plain dict, so that a replay's lookup makes no Python call (WeakKeyDictionary.get is one).
+        self._by_tree: dict[weakref.ref, Callable] = {}
         self._lock = threading.Lock()
+        owner = weakref.ref(self)  # not self: the references in _by_tree keep this callback
+
+        def forget(tree: weakref.ref) -> None:  # the tree is gone: a dead reference keeps the hash it was stored under
+            per_tree = owner()
+            if per_tree is not None:
+                per_tree._by_tree.pop(tree, None)
+
+        self._forget = forget
 
     def __call__(
         self, make: Callable, model: Callable, _inputs: object, static_input_idxs: Sequence[int] = (), **kwargs: object
@@ -69,13 +78,18 @@ class PerTree:
     def dispatch(self, new_inputs: list) -> object:
         # Every replay comes here: the module from sys.modules, not an import statement, once it is loaded.
         trees = sys.modules.get(TREES) or importlib.import_module(TREES)
-        tree = trees.get_container(self._device_index)
-        fn = self._by_tree.get(tree)
+        # The tree get_container() returns, without its two calls where it is already made in this thread's
+        # containers: get_obj() answers from the module's threading.local first, as here.
+        containers = getattr(trees.local, "tree_manager_containers", None)
+        tree = containers.get(self._device_index) if containers is not None else None
+        if tree is None:
+            tree = trees.get_container(self._device_index)
+        fn = self._by_tree.get(weakref.ref(tree))
         if fn is None:
             with self._lock:
-                fn = self._by_tree.get(tree)
+                fn = self._by_tree.get(weakref.ref(tree))
                 if fn is None:
-                    fn = self._by_tree[tree] = self._make(new_inputs)
+                    fn = self._by_tree[weakref.ref(tree, self._forget)] = self._make(new_inputs)
         return fn(new_inputs)
 
 
