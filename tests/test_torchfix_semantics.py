@@ -753,13 +753,15 @@ import json, torchfix, torch
 from torchfix.patching import stash
 torch.compile(torch.nn.Linear(4, 4), backend="aot_eager")(torch.ones(2, 4)).sum().backward()
 spaces = torch._C._get_obj_in_tls(stash.SPACES)
-print(json.dumps({"namespaces": len(spaces), "entries_of_their_own": sum(torch._C._is_key_in_tls(k) for k in spaces)}))
+entries, probe = sum(torch._C._is_key_in_tls(k) for k in spaces), torch._C._is_key_in_tls(stash.PROBE)
+print(json.dumps({"namespaces": len(spaces), "entries_of_their_own": entries, "probe": probe}))
 """
 
 
 @pytest.mark.skipif(TORCH_VERSION.release < (2, 13), reason="torchfix keeps namespaces in torch's stash from 2.13")
 def test_a_threads_namespaces_are_one_entry_of_torchs_stash():
     """autograd copies the whole C++ stash at every node of a backward, so torchfix's per-thread namespaces
-    (ThreadSpaces) share one entry per thread (docs/measured.md, "An eager backward and the stash")."""
+    (ThreadSpaces) share one entry per thread (docs/measured.md, "An eager backward and the stash"), and the probe of
+    how the stash keeps references leaves none of its own."""
     seen = run_ok(ONE_STASH_ENTRY, forked="triggers").json()
-    assert seen["namespaces"] > 5 and seen["entries_of_their_own"] == 0, seen
+    assert seen["namespaces"] > 5 and seen["entries_of_their_own"] == 0 and not seen["probe"], seen

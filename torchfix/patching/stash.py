@@ -51,10 +51,15 @@ def _stash_takes_a_reference() -> bool:
     before = sys.getrefcount(probe)
     C._stash_obj_in_tls(PROBE, probe)
     takes = sys.getrefcount(probe) > before
-    if not takes:  # the references the stash drops: the probe's as None replaces it, None's when that entry goes
-        for obj in (probe, None):
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-    C._stash_obj_in_tls(PROBE, None)
+    if not takes:  # the reference the stash drops when the entry goes or is replaced
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(probe))
+    remove = getattr(C, "_remove_obj_from_tls", None)
+    if remove is not None:  # taken out again: each entry of a thread's stash costs every node of its backwards
+        remove(PROBE)
+    else:  # an entry stays until the OS thread exits: only a reference to None is left to it
+        if not takes:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(None))
+        C._stash_obj_in_tls(PROBE, None)
     return takes
 
 
