@@ -39,6 +39,7 @@ from ..patching.source import Edit, definition, find_replaced, replace_node, seg
 MODULE = "torch._inductor.compile_fx"
 TREES = "torch._inductor.cudagraph_trees"
 HELPER = "_cudagraphify_per_tree"
+CONTAINERS = "tree_manager_containers"  # of cudagraph_trees: its threading.local's, and a stash key
 
 
 class PerTree:
@@ -78,9 +79,13 @@ class PerTree:
     def dispatch(self, new_inputs: list) -> object:
         # Every replay comes here: the module from sys.modules, not an import statement, once it is loaded.
         trees = sys.modules.get(TREES) or importlib.import_module(TREES)
-        # The tree get_container() returns, without its two calls where it is already made in this thread's
-        # containers: get_obj() answers from the module's threading.local first, as here.
-        containers = getattr(trees.local, "tree_manager_containers", None)
+        # The tree get_container() returns, without its three calls where the tree is made already: the containers
+        # as get_obj() finds them, in the module's threading.local, else (autograd's device thread) in the C++ stash
+        # inherited from the thread whose backward runs.
+        containers = getattr(trees.local, CONTAINERS, None)
+        if containers is None:
+            c = sys.modules["torch"]._C
+            containers = c._get_obj_in_tls(CONTAINERS) if c._is_key_in_tls(CONTAINERS) else None
         tree = containers.get(self._device_index) if containers is not None else None
         if tree is None:
             tree = trees.get_container(self._device_index)
