@@ -221,7 +221,13 @@ scenarios = [
 ]
 print(json.dumps({"torch": here, "fixes": found, "scenarios": scenarios, "triggers": triggers}))
 """
-_declared = run_ok(_DECLARED, disable="1").json()
+# Read once per run: pytest-xdist's workers start after the controller has imported this file, and inherit its
+# environment (a variable tests strip from their interpreters' with the other TORCHFIX_ ones), for this interpreter.
+_DECLARED_IN_ENV = "TORCHFIX_TESTS_DECLARED"
+_declared = json.loads(os.environ.get(_DECLARED_IN_ENV, "{}"))
+if _declared.get("python") != sys.executable:
+    _declared = run_ok(_DECLARED, disable="1").json() | {"python": sys.executable}
+    os.environ[_DECLARED_IN_ENV] = json.dumps(_declared)
 TORCH_VERSION = Version(_declared["torch"])
 FIXES: list[dict] = _declared["fixes"]
 
