@@ -548,6 +548,45 @@ def test_cuda_graph_counters_written_directly_reach_the_trees_of_one_thread_as_w
     assert not fixed["other_moved"] and plain["other_moved"], (fixed, plain)
 
 
+CALLABLES_PER_TREE = """
+import gc, json, threading, weakref
+import torchfix, torch
+from torch._inductor import cudagraph_trees
+from torchfix.fixes.cudagraph_tree_callable import PerTree
+from torchfix.patching.stash import stash_until_thread_end
+made = []  # the trees the callables were made for, weakly
+def make(model, inputs, static_input_idxs, **kwargs):  # what compile_fx's cudagraphify_impl is called with
+    made.append(weakref.ref(cudagraph_trees.get_container(kwargs["device_index"])))
+    return lambda new_inputs, number=len(made) - 1: number  # which tree the callable was made for
+per_tree = PerTree()
+dispatch = per_tree(make, None, [], (), device_index=0)
+mine = [dispatch([]), dispatch([])]
+main_containers = cudagraph_trees.local.tree_manager_containers
+def own_trees():
+    seen.append([dispatch([]), dispatch([])])
+def device_thread_of_main():  # autograd's device thread sees the stash of the thread whose backward it runs
+    stash_until_thread_end("tree_manager_containers", main_containers)
+    seen.append([dispatch([])])
+seen = []
+for target in (own_trees, device_thread_of_main):
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(60)
+gc.collect()
+alive = [tree() is not None for tree in made]
+print(json.dumps({"main": mine, "threads": seen, "alive": alive, "kept": len(per_tree._by_tree)}))
+"""
+
+
+@needs_fix("cudagraph-tree-callable")
+def test_a_graphs_cuda_graph_callables_are_one_per_tree():
+    # cudagraph-tree-callable's dispatcher (no GPU: a stand-in for the CUDA-graph callable it makes): a thread's
+    # replays reuse the callable made for its tree, another thread's trees get their own, a device thread running
+    # the main thread's backward (its stash) gets the main thread's, and an ended thread's callable goes with it.
+    seen = run_ok(CALLABLES_PER_TREE, forked="triggers").json()
+    assert seen == {"main": [0, 0], "threads": [[1, 1], [0]], "alive": [True, False], "kept": 1}, seen
+
+
 ONE_THREAD_SWITCHES = """
 import json
 import torchfix, torch
