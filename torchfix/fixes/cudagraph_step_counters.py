@@ -101,8 +101,10 @@ def _steps_from_stash() -> Steps:
     stash_until_thread_end(KEY, steps)
     THREAD_STEPS.steps = steps
     # Outside a backward the stash is the thread's own: autograd's device thread runs Python only inside a backward
-    # (of another thread's). A thread whose first read comes in its own backward reads through the stash, as before.
-    if c._current_graph_task_id() == -1:
+    # (of another thread's). A thread whose first read comes in its own backward reads through the stash, as before
+    # (and every thread, on a torch without the graph task's id).
+    graph_task = getattr(c, "_current_graph_task_id", None)
+    if graph_task is not None and graph_task() == -1:
         THREAD_STEPS.own = steps
     return steps
 
