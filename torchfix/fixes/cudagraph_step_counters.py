@@ -22,7 +22,8 @@ attribute itself, whatever wrote it; across threads, each thread's own steps, an
 thread, as it does without torchfix. torch's resets zero the calling thread's counter, not the others'.
 The increment on every compiled call stays call-free (it must cost next to nothing): it goes to the calling
 thread's ``Steps`` through a ``threading.local`` whose class default is one shared object, for threads that
-have not run a CUDA graph (nobody reads it).
+have not run a CUDA graph (nobody reads it). The trees' reads in the thread that owns them are call-free too (the
+same ``threading.local``); only autograd's device thread reads the stash.
 """
 
 from __future__ import annotations
