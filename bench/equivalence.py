@@ -150,7 +150,7 @@ for side in ("on", "off"):
     if side == "on":  # KERNELS_SHARED
         done = os.path.join(folder, "on")
         for name in os.listdir(done) if os.path.isdir(done) else ():
-            if len(name) == 2:
+            if len(name) == 2:  # the kernels' folders, named by two characters of a hash; not fxgraph/, aotautograd/
                 shutil.copytree(os.path.join(done, name), os.path.join(folder, "off", name))
 """
 
